@@ -1,0 +1,72 @@
+"""Coalesces concurrent requests into one store transaction.
+
+A store that commits once per RPC caps the coordinator at the database's single-row transaction rate
+(about 2,000/s on PostgreSQL with fsync). Concurrent GetTask claims and result reports instead wait
+while one batch is being written and go together in the next one: one commit per batch, so the
+throughput grows with concurrency while a lone request still goes straight through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Generic, TypeVar
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+#: Handles a batch: one outcome per request, its response or the error to raise to its caller.
+BatchHandler = Callable[[Sequence[Req]], Awaitable[Sequence["Resp | BaseException"]]]
+
+
+class Batcher(Generic[Req, Resp]):
+    """Runs ``handler`` on batches of requests, at most one batch at a time.
+
+    The handler returns one outcome per request, in order: a response, or an exception that is raised
+    to that request's caller alone. If the handler itself raises, every request of the batch gets the
+    error.
+    """
+
+    def __init__(self, handler: BatchHandler[Req, Resp], *, max_batch: int = 256) -> None:
+        self._handler = handler
+        self._max_batch = max_batch
+        self._pending: list[tuple[Req, asyncio.Future[Resp]]] = []
+        self._runner: asyncio.Task[None] | None = None
+
+    async def submit(self, request: Req) -> Resp:
+        """Queues ``request`` and returns its response once its batch was handled."""
+        future: asyncio.Future[Resp] = asyncio.get_running_loop().create_future()
+        self._pending.append((request, future))
+        if self._runner is None or self._runner.done():
+            self._runner = asyncio.create_task(self._drain())
+        # shield: a caller that gives up must not cancel the batch other callers are waiting for.
+        return await asyncio.shield(future)
+
+    async def _drain(self) -> None:
+        while self._pending:
+            batch = self._pending[: self._max_batch]
+            del self._pending[: self._max_batch]
+            live = [(req, fut) for req, fut in batch if not fut.cancelled()]
+            if not live:
+                continue
+            try:
+                outcomes = await self._handler([req for req, _ in live])
+                if len(outcomes) != len(live):
+                    raise RuntimeError(f"batch handler returned {len(outcomes)} outcomes for {len(live)}")
+            except Exception as exc:  # every waiter of a failed batch learns why
+                for _, fut in live:
+                    if not fut.done():
+                        fut.set_exception(exc)
+                continue
+            for (_, fut), outcome in zip(live, outcomes, strict=True):
+                if fut.done():
+                    continue
+                if isinstance(outcome, BaseException):
+                    fut.set_exception(outcome)
+                else:
+                    fut.set_result(outcome)
+
+    async def close(self) -> None:
+        """Waits for the batch in flight and any queued requests to be handled."""
+        if self._runner is not None:
+            await self._runner

@@ -1,0 +1,68 @@
+"""Signed, opaque cookies that the coordinator hands to devices.
+
+A cookie binds a device to a job and, once a task was handed out, to that assignment. It is signed with
+HMAC-SHA256 under a key kept in the store, so cookies survive a coordinator restart and no device can
+forge one or use another device's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from dataclasses import dataclass
+
+from fedlink.common.errors import InvalidArgument, PermissionDenied
+
+_MAC_BYTES = 32
+_VERSION = 1
+MAX_COOKIE_BYTES = 1024
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cookie:
+    """What a cookie says."""
+
+    device_id: str
+    job_id: str
+    assignment_id: str = ""
+
+
+class CookieSigner:
+    """Signs and verifies cookies with one key."""
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) < 16:
+            raise ValueError("a cookie key needs at least 16 bytes")
+        self._key = key
+
+    def sign(self, cookie: Cookie) -> bytes:
+        """Returns the opaque bytes of ``cookie``."""
+        body = json.dumps(
+            [_VERSION, cookie.device_id, cookie.job_id, cookie.assignment_id], separators=(",", ":")
+        ).encode()
+        return body + hmac.new(self._key, body, hashlib.sha256).digest()
+
+    def verify(self, data: bytes, *, device_id: str, job_id: str) -> Cookie:
+        """Checks ``data`` was signed here for this device and job, and returns what it says.
+
+        Raises:
+            InvalidArgument: the bytes are not a cookie of this coordinator (forged or corrupted).
+            PermissionDenied: a genuine cookie of another device or job.
+        """
+        if len(data) > MAX_COOKIE_BYTES or len(data) <= _MAC_BYTES:
+            raise InvalidArgument("the cookie is not one this coordinator issued")
+        body, mac = data[:-_MAC_BYTES], data[-_MAC_BYTES:]
+        if not hmac.compare_digest(mac, hmac.new(self._key, body, hashlib.sha256).digest()):
+            raise InvalidArgument("the cookie's signature does not match: this coordinator did not issue it")
+        try:
+            version, dev, job, assignment = json.loads(body)
+        except (ValueError, TypeError) as exc:
+            raise InvalidArgument("the cookie is malformed") from exc
+        if version != _VERSION:
+            raise InvalidArgument(f"cookie version {version} is not supported")
+        if dev != device_id:
+            raise PermissionDenied("the cookie belongs to another device")
+        if job != job_id:
+            raise InvalidArgument(f"the cookie is for job {job}, not {job_id}")
+        return Cookie(device_id=dev, job_id=job, assignment_id=assignment)

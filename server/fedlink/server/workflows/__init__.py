@@ -1,0 +1,1 @@
+"""Workflows drive runs: they create tasks, collect results, aggregate and checkpoint."""

@@ -1,0 +1,93 @@
+"""Streaming weighted averaging: exact weights, partial updates, canonical bits, bad input refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedlink.common.errors import InvalidArgument
+from fedlink.server.workflows.aggregation import WeightedAverage, apply_average, model_spec
+
+
+def _model() -> dict[str, np.ndarray]:
+    return {"w": np.zeros((3, 2), np.float32), "b": np.zeros(2, np.float32)}
+
+
+def test_weighted_mean_of_diffs_matches_numpy() -> None:
+    rng = np.random.default_rng(0)
+    model = _model()
+    updates = [{k: rng.normal(size=v.shape).astype(np.float32) for k, v in model.items()} for _ in range(5)]
+    weights = [1.0, 2.0, 3.0, 4.0, 10.0]
+    avg = WeightedAverage(model_spec(model))
+    for u, w in zip(updates, weights, strict=True):
+        avg.add(u, w)
+    new = apply_average(model, avg, is_diff=True)
+    for name in model:
+        expected = np.zeros(model[name].shape, np.float64)
+        for u, w in zip(updates, weights, strict=True):
+            expected += w * u[name].astype(np.float64)
+        expected /= sum(weights)
+        np.testing.assert_array_equal(new[name], expected.astype(np.float32))
+        assert new[name].dtype == np.float32
+
+
+def test_variables_are_averaged_over_the_results_that_carry_them() -> None:
+    model = _model()
+    avg = WeightedAverage(model_spec(model))
+    avg.add({"w": np.ones((3, 2), np.float32), "b": np.full(2, 4, np.float32)}, 1.0)
+    avg.add({"w": np.full((3, 2), 3, np.float32)}, 1.0)  # "b" excluded by a filter
+    new = apply_average(model, avg, is_diff=True)
+    np.testing.assert_array_equal(new["w"], np.full((3, 2), 2, np.float32))
+    np.testing.assert_array_equal(new["b"], np.full(2, 4, np.float32))
+
+
+def test_uncovered_variables_keep_their_value() -> None:
+    model = {"w": np.ones(2, np.float32), "frozen": np.full(3, 7, np.float32)}
+    avg = WeightedAverage(model_spec(model))
+    avg.add({"w": np.ones(2, np.float32)}, 2.0)
+    new = apply_average(model, avg, is_diff=False)
+    np.testing.assert_array_equal(new["frozen"], model["frozen"])
+    np.testing.assert_array_equal(new["w"], np.ones(2, np.float32))
+
+
+def test_same_inputs_in_the_same_order_give_the_same_bits() -> None:
+    rng = np.random.default_rng(1)
+    model = {"w": np.zeros(1000, np.float32)}
+    updates = [{"w": rng.normal(size=1000).astype(np.float32)} for _ in range(20)]
+    outs = []
+    for _ in range(2):
+        avg = WeightedAverage(model_spec(model))
+        for i, u in enumerate(updates):
+            avg.add(u, float(i + 1))
+        outs.append(apply_average(model, avg, is_diff=True)["w"].tobytes())
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize(
+    ("update", "message"),
+    [
+        ({"w": np.zeros((2, 3), np.float32)}, "shape"),
+        ({"w": np.zeros((3, 2), np.float64)}, "dtype"),
+        ({"nope": np.zeros(2, np.float32)}, "not part of the model"),
+        ({"w": np.full((3, 2), np.nan, np.float32)}, "NaN"),
+        ({"b": np.array([np.inf, 0], np.float32)}, "NaN or Inf"),
+        ({}, "no variables"),
+    ],
+)
+def test_bad_updates_are_refused_and_leave_the_aggregate_untouched(
+    update: dict[str, np.ndarray], message: str
+) -> None:
+    model = _model()
+    avg = WeightedAverage(model_spec(model))
+    avg.add({"w": np.ones((3, 2), np.float32)}, 1.0)
+    with pytest.raises(InvalidArgument, match=message):
+        avg.add(update, 1.0)
+    assert avg.count == 1
+    np.testing.assert_array_equal(apply_average(model, avg, is_diff=True)["w"], np.ones((3, 2), np.float32))
+
+
+@pytest.mark.parametrize("weight", [0.0, -1.0, float("nan"), float("inf")])
+def test_bad_weights_are_refused(weight: float) -> None:
+    avg = WeightedAverage(model_spec(_model()))
+    with pytest.raises(InvalidArgument, match="weight"):
+        avg.add({"w": np.ones((3, 2), np.float32)}, weight)
