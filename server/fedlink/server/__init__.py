@@ -1,0 +1,1 @@
+"""The fedlink coordinator: gRPC api, protocol handling, domain, workflows, store and services."""

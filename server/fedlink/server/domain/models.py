@@ -1,0 +1,174 @@
+"""The values the state store hands out: frozen snapshots of devices, jobs, runs, tasks and results.
+
+Times are timezone-aware UTC datetimes. Ids are uuid4 hex strings. JSON fields (``spec_json``,
+``job_data``, ``metrics_json``, ``payload_json``) are opaque strings owned by the layer that writes them.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+
+from fedlink.server.domain.states import (
+    AssignmentState,
+    DeviceState,
+    JobState,
+    ResultStatus,
+    RunState,
+    TaskState,
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Device:
+    """An enrolled edge participant."""
+
+    device_id: str
+    #: Platform, app version, capabilities... as reported at enrollment; device selectors match on it.
+    device_info: Mapping[str, str]
+    user_info: Mapping[str, str]
+    state: DeviceState
+    enrolled_at: datetime
+    last_seen: datetime
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Job:
+    """What an operator submitted."""
+
+    job_id: str
+    name: str
+    state: JobState
+    #: The workflow spec (``fedavg`` and its parameters), owned by the workflows layer.
+    spec_json: str
+    #: The runner config (NVFlare edge format), handed to devices as is.
+    job_data: str
+    #: The initial model blob, if the job has one.
+    initial_model_sha256: str | None
+    #: Which devices may take part: every key must equal the device's ``device_info`` value.
+    device_selector: Mapping[str, str]
+    #: Why the job is in its state (e.g. the error that failed it); empty if nothing to say.
+    message: str
+    created_at: datetime
+    updated_at: datetime
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Run:
+    """One execution of a job by a coordinator; a restarted coordinator resumes the current run."""
+
+    run_id: str
+    job_id: str
+    state: RunState
+    #: The coordinator that drives the run, and until when its lease holds (room for replicas).
+    owner: str | None
+    owner_lease_expires_at: datetime | None
+    #: The last checkpointed round (or model version for asynchronous workflows); 0 before the first.
+    round: int
+    global_model_sha256: str | None
+    #: The metrics history, as JSON owned by the workflow.
+    metrics_json: str
+    message: str
+    created_at: datetime
+    updated_at: datetime
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Task:
+    """One unit of work a workflow hands out."""
+
+    task_id: str
+    job_id: str
+    run_id: str
+    round: int
+    #: The task name devices dispatch on (``train``, ``evaluate``...).
+    name: str
+    #: The task's DXO payload, stored as a blob.
+    payload_sha256: str | None
+    deadline: datetime
+    #: How many devices may hold the task at once (LEASED or COMPLETED): the results it needs.
+    slots: int
+    #: True if only the devices in the task's target list may claim it.
+    targeted: bool
+    state: TaskState
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Assignment:
+    """A task held by a device under a lease."""
+
+    assignment_id: str
+    task_id: str
+    job_id: str
+    device_id: str
+    #: Which of the task's slots this assignment occupies (0 <= slot < task.slots).
+    slot: int
+    state: AssignmentState
+    lease_expires_at: datetime
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Result:
+    """What a device reported for an assignment."""
+
+    result_id: str
+    assignment_id: str
+    task_id: str
+    device_id: str
+    status: ResultStatus
+    #: The result payload blob; None for failures and for stale results (their payload is dropped).
+    payload_sha256: str | None
+    #: A digest of the whole report as received, so a retried report is recognised as the same one.
+    report_digest: str
+    error_message: str
+    #: True if the result counts for aggregation (on time and succeeded).
+    accepted: bool
+    #: True if the report came after the round closed, the lease ended or the job stopped.
+    stale: bool
+    request_id: str
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Blob:
+    """A content-addressed byte string."""
+
+    sha256: str
+    size_bytes: int
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Checkpoint:
+    """A run's state after one round: the global model and the metrics."""
+
+    run_id: str
+    round: int
+    model_sha256: str
+    metrics_json: str
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobEvent:
+    """One progress event of a job, as ``fedlink job watch`` shows it."""
+
+    job_id: str
+    #: Increases with every event of the job in commit order (gaps are possible).
+    sequence: int
+    time: datetime
+    kind: str
+    payload_json: str
+
+
+class ReportOutcome(enum.StrEnum):
+    """What became of a reported result."""
+
+    #: Stored; counts for aggregation if it succeeded (a failure frees the slot).
+    ACCEPTED = "ACCEPTED"
+    #: Stored as metadata only; not aggregated (round closed, lease expired or job stopped).
+    STALE = "STALE"

@@ -1,0 +1,371 @@
+"""The state store's interface: intention-revealing async methods that return domain values.
+
+There is one implementation (:class:`fedlink.server.store.sql.SqlStateStore`, SQLAlchemy on SQLite or
+PostgreSQL); the Protocol is what the coordinator, the workflows and the services depend on.
+Mutating methods take ``now`` explicitly where time decides the outcome (leases, deadlines); the
+others stamp times with the store's injected clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Generic, Protocol, TypeVar
+
+from fedlink.common.errors import FedlinkError
+from fedlink.server.domain import (
+    Assignment,
+    Blob,
+    Checkpoint,
+    Device,
+    DeviceState,
+    Job,
+    JobEvent,
+    JobState,
+    ReportOutcome,
+    Result,
+    ResultStatus,
+    Run,
+    RunState,
+    Task,
+)
+
+T = TypeVar("T")
+
+#: How many bytes a blob chunk holds by default when streamed or stored.
+CHUNK_SIZE = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Page(Generic[T]):
+    """One page of a listing, and the token for the next one ("" when this is the last page)."""
+
+    items: Sequence[T]
+    next_page_token: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlobRef:
+    """A stored blob's identity and size."""
+
+    sha256: str
+    size_bytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NewJob:
+    """What :meth:`StateStore.create_job` needs."""
+
+    name: str
+    spec_json: str
+    job_data: str
+    initial_model_sha256: str | None = None
+    device_selector: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NewTask:
+    """What :meth:`StateStore.create_tasks` needs for one task."""
+
+    job_id: str
+    run_id: str
+    round: int
+    name: str
+    payload_sha256: str | None
+    deadline: datetime
+    #: How many devices may hold the task at once (the results it needs); at least 1.
+    slots: int = 1
+    #: The only devices that may claim the task; empty means any device of the job.
+    targets: Sequence[str] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClaimRequest:
+    """One device asking for a task of a job."""
+
+    device_id: str
+    job_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResultReport:
+    """One device's report for an assignment, as :meth:`StateStore.record_results` takes it."""
+
+    assignment_id: str
+    #: The authenticated device that sent the report (never a field the device sets itself).
+    device_id: str
+    status: ResultStatus
+    #: The result payload blob (None for a failure).
+    payload_sha256: str | None
+    #: A digest of the whole report as received (e.g. sha256 of the serialized result), so a retry
+    #: without its request_id is still recognised as the same report.
+    report_digest: str
+    request_id: str
+    error_message: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecordOutcome:
+    """What became of a report."""
+
+    outcome: ReportOutcome
+    result: Result
+    #: True if this report was seen before and the original outcome is returned.
+    duplicate: bool
+
+
+class BlobStore(Protocol):
+    """Content-addressed byte strings (sha256), streamed in chunks: never a whole blob in memory."""
+
+    async def put_bytes(self, data: bytes) -> BlobRef:
+        """Store ``data`` (once per content) and return its reference."""
+        ...
+
+    async def put_stream(self, chunks: AsyncIterator[bytes]) -> BlobRef:
+        """Store a stream of unknown hash chunk by chunk and return its reference."""
+        ...
+
+    async def begin_upload(self, sha256: str, size_bytes: int) -> int:
+        """Start (or resume) an upload of a blob with a known hash; return the bytes received so far."""
+        ...
+
+    async def received_bytes(self, sha256: str) -> int:
+        """Return how many bytes of ``sha256`` the store holds (its size once committed)."""
+        ...
+
+    async def append_upload(self, sha256: str, offset: int, data: bytes) -> int:
+        """Add ``data`` at ``offset`` (which must equal the bytes received); return the new total."""
+        ...
+
+    async def commit_upload(self, sha256: str) -> BlobRef:
+        """Check the uploaded bytes hash to ``sha256`` and make the blob readable."""
+        ...
+
+    async def stat(self, sha256: str) -> Blob:
+        """Return a stored blob's metadata."""
+        ...
+
+    async def exists(self, sha256: str) -> bool:
+        """Tell whether a committed blob with this hash is stored."""
+        ...
+
+    async def read(self, sha256: str, offset: int = 0, size: int | None = None) -> bytes:
+        """Return ``size`` bytes from ``offset`` (to the end if None): for small blobs and ranges."""
+        ...
+
+    def iter_chunks(self, sha256: str, offset: int = 0, chunk_size: int = CHUNK_SIZE) -> AsyncIterator[bytes]:
+        """Yield the blob's bytes from ``offset`` in chunks of at most ``chunk_size`` bytes."""
+        ...
+
+    async def delete(self, sha256: str) -> int:
+        """Delete a blob; return the bytes freed (0 if it was not stored)."""
+        ...
+
+    async def gc_unreferenced(self, older_than: datetime) -> int:
+        """Delete blobs created before ``older_than`` that nothing references, and stale uploads.
+
+        Returns the bytes freed.
+        """
+        ...
+
+
+class StateStore(Protocol):
+    """Everything the coordinator keeps: devices, jobs, runs, tasks, assignments, results, blobs."""
+
+    @property
+    def blobs(self) -> BlobStore:
+        """The blob store sharing this state store's database."""
+        ...
+
+    async def close(self) -> None:
+        """Release the database connections."""
+        ...
+
+    # ---- devices ----
+    async def enroll_device(
+        self,
+        device_info: Mapping[str, str],
+        user_info: Mapping[str, str],
+        credential_hash: str,
+        *,
+        device_id: str | None = None,
+    ) -> Device:
+        """Enroll a device under the hash of its credential (never the credential itself)."""
+        ...
+
+    async def authenticate_device(self, credential_hash: str) -> Device:
+        """Return the device with this credential; Unauthenticated if unknown or revoked."""
+        ...
+
+    async def get_device(self, device_id: str) -> Device:
+        """Return a device; NotFound if unknown."""
+        ...
+
+    async def touch_devices(self, device_ids: Sequence[str], now: datetime) -> None:
+        """Record that these devices were seen at ``now`` (OFFLINE ones come back ONLINE)."""
+        ...
+
+    async def mark_offline(self, older_than: datetime) -> int:
+        """Move ONLINE devices not seen since ``older_than`` to OFFLINE; return how many moved."""
+        ...
+
+    async def revoke_device(self, device_id: str) -> Device:
+        """Revoke a device's credential for good."""
+        ...
+
+    async def list_devices(
+        self, *, page_size: int = 100, page_token: str = "", state: DeviceState | None = None
+    ) -> Page[Device]:
+        """List devices, newest enrollment first."""
+        ...
+
+    # ---- jobs and runs ----
+    async def create_job(self, new_job: NewJob) -> Job:
+        """Create a PENDING job."""
+        ...
+
+    async def get_job(self, job_id: str) -> Job:
+        """Return a job; NotFound if unknown."""
+        ...
+
+    async def list_jobs(
+        self, *, page_size: int = 100, page_token: str = "", state: JobState | None = None
+    ) -> Page[Job]:
+        """List jobs, newest first, with a stable keyset page token."""
+        ...
+
+    async def set_job_state(self, job_id: str, target: JobState, message: str = "") -> Job:
+        """Move a job to ``target``; IllegalTransition if its state machine has no such edge."""
+        ...
+
+    async def delete_job(self, job_id: str) -> int:
+        """Delete a final job with everything it owns; return the blob bytes freed."""
+        ...
+
+    async def create_run(self, job_id: str, *, owner: str, now: datetime, lease: timedelta) -> Run:
+        """Start a run of a job, driven by ``owner`` under a lease."""
+        ...
+
+    async def get_run(self, run_id: str) -> Run:
+        """Return a run; NotFound if unknown."""
+        ...
+
+    async def get_current_run(self, job_id: str) -> Run:
+        """Return the job's latest run; NotFound if it has none."""
+        ...
+
+    async def acquire_run_lease(self, run_id: str, *, owner: str, now: datetime, lease: timedelta) -> Run:
+        """Take or renew the lease to drive a run; RunLeaseHeld if another owner's lease holds."""
+        ...
+
+    async def finish_run(self, run_id: str, target: RunState, message: str = "") -> Run:
+        """Move a run to a final state."""
+        ...
+
+    async def save_checkpoint(
+        self, run_id: str, round: int, model_sha256: str, metrics_json: str, *, keep_last: int
+    ) -> Checkpoint:
+        """Record a round's model and metrics on the run; keep only the last ``keep_last`` checkpoints."""
+        ...
+
+    async def list_checkpoints(self, run_id: str) -> Sequence[Checkpoint]:
+        """Return a run's kept checkpoints, oldest round first."""
+        ...
+
+    async def append_job_event(self, job_id: str, kind: str, payload_json: str) -> JobEvent:
+        """Append a progress event to a job."""
+        ...
+
+    async def list_job_events(
+        self, job_id: str, *, after_sequence: int = 0, limit: int = 1000
+    ) -> Sequence[JobEvent]:
+        """Return a job's events after ``after_sequence``, in order."""
+        ...
+
+    # ---- tasks ----
+    async def create_tasks(self, tasks: Sequence[NewTask]) -> Sequence[Task]:
+        """Create OPEN tasks in one transaction."""
+        ...
+
+    async def get_task(self, task_id: str) -> Task:
+        """Return a task; NotFound if unknown."""
+        ...
+
+    async def list_tasks(self, run_id: str, *, round: int | None = None) -> Sequence[Task]:
+        """Return a run's tasks (of one round if given), oldest first."""
+        ...
+
+    async def close_task(self, task_id: str) -> Task:
+        """Close an OPEN task: later reports for it are stale."""
+        ...
+
+    async def cancel_job_tasks(self, job_id: str) -> int:
+        """Cancel every OPEN task of a job; return how many."""
+        ...
+
+    # ---- claims and leases ----
+    async def claim_tasks(
+        self, requests: Sequence[ClaimRequest], now: datetime, lease: timedelta
+    ) -> list[Assignment | None]:
+        """Serve many task requests in one transaction; None where the device has nothing to do."""
+        ...
+
+    async def claim_task(
+        self, device_id: str, job_id: str, now: datetime, lease: timedelta
+    ) -> Assignment | None:
+        """Serve one task request; None if nothing is available for the device."""
+        ...
+
+    async def get_assignment(self, assignment_id: str) -> Assignment:
+        """Return an assignment; NotFound if unknown."""
+        ...
+
+    async def renew_lease(
+        self, assignment_id: str, device_id: str, now: datetime, lease: timedelta
+    ) -> Assignment:
+        """Extend a held lease to ``now + lease``; LeaseLost if it is no longer held."""
+        ...
+
+    async def release_assignment(self, assignment_id: str, device_id: str, now: datetime) -> Assignment:
+        """Give a held assignment back, freeing its slot; LeaseLost if it is no longer held."""
+        ...
+
+    async def expire_leases(self, now: datetime) -> Sequence[Assignment]:
+        """Expire every LEASED assignment whose lease ended at or before ``now``; return them."""
+        ...
+
+    # ---- results ----
+    async def record_results(
+        self, reports: Sequence[ResultReport], now: datetime
+    ) -> list[RecordOutcome | FedlinkError]:
+        """Record many reports in one transaction; each item is an outcome or the error it earned."""
+        ...
+
+    async def record_result(self, report: ResultReport, now: datetime) -> RecordOutcome:
+        """Record one report (idempotent); raises what :meth:`record_results` would put in its slot."""
+        ...
+
+    async def list_results(
+        self,
+        *,
+        task_id: str | None = None,
+        run_id: str | None = None,
+        round: int | None = None,
+        accepted_only: bool = True,
+    ) -> Sequence[Result]:
+        """Return results of a task, or of a run's round, ordered by device_id (canonical order)."""
+        ...
+
+    # ---- coordinator secrets and idempotency ----
+    async def get_or_create_signing_key(self) -> bytes:
+        """Return the coordinator's 32-byte cookie signing key, creating it once."""
+        ...
+
+    async def remember_reply(self, scope: str, request_id: str, reply: bytes) -> bytes:
+        """Keep the reply to a mutating request; return the reply kept first if one already was."""
+        ...
+
+    async def recall_reply(self, scope: str, request_id: str) -> bytes | None:
+        """Return the reply kept for this request, or None if it was never answered."""
+        ...
