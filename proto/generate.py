@@ -1,7 +1,7 @@
 """Regenerates the Python code for the fedlink.v1 wire API.
 
 Run from anywhere: ``python proto/generate.py``. Uses the pinned grpcio-tools and mypy-protobuf from the
-dev extra, so the committed output is reproducible; ``tests/proto/test_generated.py`` checks that it is.
+dev extra, so the committed output is reproducible; ``tests/proto/test_proto_generated.py`` checks that it is.
 """
 
 from __future__ import annotations
@@ -37,10 +37,17 @@ def generate(out: Path = OUT) -> list[Path]:
         f"--mypy_grpc_out={out}",
         *sources,
     ]
-    # protoc finds the mypy-protobuf plugins on PATH; they live beside this interpreter.
-    bindir = str(Path(sys.executable).parent)
-    os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-    code = protoc.main(args)
+    # protoc finds the mypy-protobuf plugins on PATH; they live beside this interpreter. PATH is put
+    # back afterwards because the tests call generate() in-process.
+    saved_path = os.environ.get("PATH")
+    os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + (saved_path or "")
+    try:
+        code = protoc.main(args)
+    finally:
+        if saved_path is None:
+            del os.environ["PATH"]
+        else:
+            os.environ["PATH"] = saved_path
     if code != 0:
         raise SystemExit(f"protoc failed with exit code {code}")
     (target / "__init__.py").write_text('"""Generated code for the fedlink.v1 wire API. Do not edit."""\n')
