@@ -31,7 +31,9 @@ class _Impl:
             raise ZeroDivisionError("bug")
         return pb.GetJobResponse(status=pb.RUNNER_STATUS_OK, job_name=call.principal.device_id)
 
-    async def UploadBlob(self, requests: AsyncIterator[pb.UploadBlobRequest], call: Call) -> pb.UploadBlobResponse:
+    async def UploadBlob(
+        self, requests: AsyncIterator[pb.UploadBlobRequest], call: Call
+    ) -> pb.UploadBlobResponse:
         total = 0
         async for r in requests:
             total += len(r.chunk)
@@ -85,7 +87,7 @@ def _meta(token: str) -> tuple[tuple[str, str], ...]:
 async def test_bytes_that_are_not_protobuf_get_invalid_argument(server: tuple[str, _Impl, _Observer]) -> None:
     address, impl, observer = server
     async with grpc.aio.insecure_channel(address) as channel:
-        raw = channel.unary_unary("/fedlink.v1.RunnerService/GetJob")
+        raw: Any = channel.unary_unary("/fedlink.v1.RunnerService/GetJob")
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await raw(b"\xff\xff\xff\xff", metadata=_meta("dev-1"))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -138,7 +140,7 @@ async def test_identity_comes_from_the_credential(server: tuple[str, _Impl, _Obs
 async def test_streams_are_guarded_too(server: tuple[str, _Impl, _Observer]) -> None:
     address, _, observer = server
     async with grpc.aio.insecure_channel(address) as channel:
-        upload = channel.stream_unary(
+        upload: Any = channel.stream_unary(
             "/fedlink.v1.RunnerService/UploadBlob", response_deserializer=pb.UploadBlobResponse.FromString
         )
         chunks = [pb.UploadBlobRequest(chunk=b"abc").SerializeToString(), b"\xff\xff\xff"]
