@@ -1,0 +1,470 @@
+"""The device protocol (RunnerService) in domain terms, callable in-process.
+
+The gRPC servicer converts protobuf to the arguments here and the replies back; the simulation calls
+this layer directly. Every method takes the authenticated device; nothing here trusts a device-set
+field for identity. Normal outcomes are a :class:`DeviceStatus` in the reply; faults are raised as
+fedlink errors (mapped to gRPC status codes in one place).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import hmac
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from fedlink.common.dxo import DXO
+from fedlink.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+)
+from fedlink.common.version import PROTOCOL_VERSION
+from fedlink.server.domain import (
+    Assignment,
+    Clock,
+    Device,
+    Job,
+    JobState,
+    LeaseLost,
+    ReportOutcome,
+    ResultStatus,
+    Task,
+)
+from fedlink.server.protocol.batching import Batcher
+from fedlink.server.protocol.cookies import Cookie, CookieSigner
+from fedlink.server.protocol.notify import TaskNotifier
+from fedlink.server.protocol.results import ResultValidator
+from fedlink.server.store import ClaimRequest, RecordOutcome, ResultReport, StateStore
+
+_FINAL_JOB_STATES = frozenset({JobState.FINISHED, JobState.FAILED, JobState.ABORTED})
+
+
+class DeviceStatus(enum.StrEnum):
+    """The outcome of a device RPC when no fault occurred (the proto's RunnerStatus)."""
+
+    OK = "OK"
+    RETRY = "RETRY"
+    NO_JOB = "NO_JOB"
+    NO_TASK = "NO_TASK"
+    DONE = "DONE"
+    STALE = "STALE"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceProtocolConfig:
+    """The knobs of the device protocol (a slice of the coordinator's settings)."""
+
+    #: Length of an assignment's lease; long tasks renew it.
+    lease: timedelta = timedelta(minutes=5)
+    #: Upper bound of a GetTask long poll, whatever the device asks.
+    max_task_wait: timedelta = timedelta(seconds=30)
+    #: The long-poll wait when the device does not say.
+    default_task_wait: timedelta = timedelta(seconds=20)
+    #: How long a device waits before asking for a job again when there is none.
+    job_retry_after: timedelta = timedelta(seconds=5)
+    #: Task payloads up to this size travel inline; larger ones as blob references.
+    inline_payload_bytes: int = 2 * 1024 * 1024
+    #: Largest result a device may report (inline or as a blob).
+    max_result_bytes: int = 2 * 1024**3
+    #: The join secret enrolment needs; None means open enrolment.
+    join_secret: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Enrolment:
+    """A device's identity and credential (the credential is only ever shown here)."""
+
+    device_id: str
+    credential: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobReply:
+    """GetJob's reply."""
+
+    status: DeviceStatus
+    job: Job | None = None
+    retry_after: timedelta | None = None
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskPayload:
+    """A task's input DXO: its serialized bytes inline, or only its blob reference when large."""
+
+    sha256: str
+    size_bytes: int
+    inline: bytes | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskReply:
+    """GetTask's reply."""
+
+    status: DeviceStatus
+    task: Task | None = None
+    assignment: Assignment | None = None
+    payload: TaskPayload | None = None
+    cookie: bytes = b""
+    retry_after: timedelta | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResultInput:
+    """A device's report as the protocol takes it."""
+
+    job_id: str
+    task_id: str
+    cookie: bytes
+    status: ResultStatus
+    #: The serialized ``Dxo`` when sent inline (SUCCEEDED only).
+    inline: bytes | None = None
+    #: The blob holding the serialized ``Dxo`` when uploaded (SUCCEEDED only).
+    blob_sha256: str | None = None
+    error_message: str = ""
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReportReply:
+    """ReportResult's reply."""
+
+    status: DeviceStatus
+    cookie: bytes = b""
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeaseReply:
+    """RenewLease's and ReleaseAssignment's reply."""
+
+    status: DeviceStatus
+    lease_expires_at: datetime | None = None
+
+
+class ResultListener:
+    """Hook for workflows: told about every recorded report, in-process."""
+
+    def result_recorded(self, job_id: str, task: Task) -> None:
+        """Called after a report for ``task`` was stored (accepted or failed)."""
+
+
+def check_protocol_version(version: str) -> None:
+    """Refuses a device protocol with another major version than ours.
+
+    Raises:
+        FailedPrecondition: saying which side to upgrade.
+    """
+    if not version:
+        return  # older clients that do not say; the first incompatible call will fail loudly
+    ours, _, _ = PROTOCOL_VERSION.partition(".")
+    theirs, _, _ = version.partition(".")
+    if theirs != ours:
+        side = "the runner" if theirs < ours else "the coordinator"
+        raise FailedPrecondition(
+            f"device protocol {version} is not compatible with this coordinator's {PROTOCOL_VERSION}: "
+            f"upgrade {side}"
+        )
+
+
+def hash_credential(token: str) -> str:
+    """The stored form of a device credential: SHA-256 of a 256-bit random token is enough."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def selector_matches(selector: Mapping[str, str], device_info: Mapping[str, str]) -> bool:
+    """True if ``device_info`` has every key/value pair of ``selector``."""
+    return all(device_info.get(k) == v for k, v in selector.items())
+
+
+class DeviceProtocol:
+    """Serves the device RPCs against the store."""
+
+    def __init__(
+        self,
+        store: StateStore,
+        *,
+        signer: CookieSigner,
+        enrolment_key: bytes,
+        notifier: TaskNotifier,
+        validator: ResultValidator,
+        clock: Clock,
+        config: DeviceProtocolConfig,
+        listener: ResultListener | None = None,
+    ) -> None:
+        self._store = store
+        self._signer = signer
+        self._enrolment_key = enrolment_key
+        self._notifier = notifier
+        self._validator = validator
+        self._clock = clock
+        self._config = config
+        self._listener = listener or ResultListener()
+        self._claims: Batcher[ClaimRequest, Assignment | None] = Batcher(self._claim_batch)
+        self._reports: Batcher[ResultReport, RecordOutcome] = Batcher(self._report_batch)
+        self._seen: set[str] = set()
+        self._accepting = True
+
+    # ---- lifecycle ----
+    def stop_accepting(self) -> None:
+        """Stops handing out tasks (graceful shutdown); waiting long polls are woken to answer RETRY."""
+        self._accepting = False
+        self._notifier.notify_all()
+
+    def drain_seen(self) -> set[str]:
+        """Returns and forgets the devices seen since the last call (for a batched last-seen update)."""
+        seen, self._seen = self._seen, set()
+        return seen
+
+    # ---- enrolment ----
+    async def enroll(
+        self,
+        *,
+        join_secret: str,
+        device_info: Mapping[str, str],
+        user_info: Mapping[str, str],
+        protocol_version: str,
+        request_id: str,
+    ) -> Enrolment:
+        """Enrols a device. The same ``request_id`` gives the same device and credential again.
+
+        The credential is derived from the request id with a coordinator secret, so a retried
+        enrolment can be answered without ever storing the credential itself.
+        """
+        check_protocol_version(protocol_version)
+        expected = self._config.join_secret
+        if expected is not None and not hmac.compare_digest(join_secret.encode(), expected.encode()):
+            raise Unauthenticated("enrolment needs the coordinator's join secret")
+        if len(request_id) < 16:
+            raise InvalidArgument("request_id must be a random id of at least 16 characters (a UUID)")
+        digest = hmac.new(self._enrolment_key, request_id.encode(), hashlib.sha256).hexdigest()
+        device_id, credential = (
+            "dev-" + digest[:24],
+            digest[24:] + hashlib.sha256(digest.encode()).hexdigest(),
+        )
+        credential_hash = hash_credential(credential)
+        try:
+            await self._store.enroll_device(device_info, user_info, credential_hash, device_id=device_id)
+        except Exception:
+            # A retry of a completed enrolment: answer it again if the stored credential matches.
+            device = await self._store.get_device(device_id)
+            authenticated = await self._store.authenticate_device(credential_hash)
+            if authenticated.device_id != device.device_id:  # pragma: no cover - hash collision
+                raise
+        return Enrolment(device_id=device_id, credential=credential)
+
+    async def authenticate(self, credential: str | None) -> Device:
+        """Returns the device a credential belongs to; Unauthenticated if none, unknown or revoked."""
+        if not credential:
+            raise Unauthenticated("this call needs a device credential: authorization: Bearer <credential>")
+        device = await self._store.authenticate_device(hash_credential(credential))
+        self._seen.add(device.device_id)
+        return device
+
+    # ---- jobs ----
+    async def get_job(
+        self, device: Device, *, job_name: str, device_info: Mapping[str, str], protocol_version: str
+    ) -> JobReply:
+        """Offers the oldest pending or running job the device may take part in."""
+        check_protocol_version(protocol_version)
+        info = device_info or device.device_info
+        candidates: list[Job] = []
+        finished_with_name = False
+        token = ""
+        while True:
+            page = await self._store.list_jobs(page_size=200, page_token=token)
+            for job in page.items:
+                if job_name and job.name != job_name:
+                    continue
+                if job.state in _FINAL_JOB_STATES:
+                    finished_with_name = finished_with_name or bool(job_name)
+                    continue
+                if selector_matches(job.device_selector, info):
+                    candidates.append(job)
+            token = page.next_page_token
+            if not token:
+                break
+        if candidates:
+            job = min(candidates, key=lambda j: j.created_at)
+            return JobReply(status=DeviceStatus.OK, job=job)
+        if finished_with_name:
+            return JobReply(status=DeviceStatus.DONE, message=f"job {job_name!r} is over")
+        return JobReply(
+            status=DeviceStatus.NO_JOB,
+            retry_after=self._config.job_retry_after,
+            message="no job for this device now",
+        )
+
+    # ---- tasks ----
+    async def get_task(
+        self, device: Device, *, job_id: str, cookie: bytes, wait: timedelta | None
+    ) -> TaskReply:
+        """Hands out the device's next task of the job, waiting up to ``wait`` for one."""
+        if cookie:
+            self._signer.verify(cookie, device_id=device.device_id, job_id=job_id)
+        job = await self._store.get_job(job_id)
+        if job.state in _FINAL_JOB_STATES:
+            return TaskReply(status=DeviceStatus.DONE)
+        if not selector_matches(job.device_selector, device.device_info):
+            return TaskReply(status=DeviceStatus.NO_TASK)
+        requested = wait if wait is not None and wait > timedelta(0) else self._config.default_task_wait
+        budget = min(requested, self._config.max_task_wait).total_seconds()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget
+        while self._accepting:
+            waiter = self._notifier.waiter(job_id)
+            assignment = await self._claims.submit(ClaimRequest(device_id=device.device_id, job_id=job_id))
+            if assignment is not None:
+                return await self._task_reply(device, job_id, assignment)
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            await waiter.wait(remaining)
+            job = await self._store.get_job(job_id)
+            if job.state in _FINAL_JOB_STATES:
+                return TaskReply(status=DeviceStatus.DONE)
+        return TaskReply(status=DeviceStatus.RETRY, retry_after=timedelta(seconds=1))
+
+    async def _claim_batch(self, requests: Sequence[ClaimRequest]) -> list[Assignment | BaseException | None]:
+        return list(await self._store.claim_tasks(requests, self._clock.now(), self._config.lease))
+
+    async def _task_reply(self, device: Device, job_id: str, assignment: Assignment) -> TaskReply:
+        task = await self._store.get_task(assignment.task_id)
+        payload: TaskPayload | None = None
+        if task.payload_sha256 is not None:
+            blob = await self._store.blobs.stat(task.payload_sha256)
+            inline = None
+            if blob.size_bytes <= self._config.inline_payload_bytes:
+                inline = await self._store.blobs.read(task.payload_sha256)
+            payload = TaskPayload(sha256=blob.sha256, size_bytes=blob.size_bytes, inline=inline)
+        cookie = self._signer.sign(
+            Cookie(device_id=device.device_id, job_id=job_id, assignment_id=assignment.assignment_id)
+        )
+        return TaskReply(
+            status=DeviceStatus.OK, task=task, assignment=assignment, payload=payload, cookie=cookie
+        )
+
+    async def _held_assignment(self, device: Device, job_id: str, task_id: str, cookie: bytes) -> Assignment:
+        if not cookie:
+            raise InvalidArgument("the cookie from GetTask is required")
+        said = self._signer.verify(cookie, device_id=device.device_id, job_id=job_id)
+        if not said.assignment_id:
+            raise InvalidArgument(
+                "this cookie does not hand out a task: use the one GetTask returned with it"
+            )
+        assignment = await self._store.get_assignment(said.assignment_id)
+        if assignment.task_id != task_id:
+            raise InvalidArgument(f"the cookie is for task {assignment.task_id}, not {task_id}")
+        if assignment.device_id != device.device_id:  # pragma: no cover - the signature binds it
+            raise PermissionDenied("this assignment belongs to another device")
+        return assignment
+
+    # ---- results ----
+    async def report_result(self, device: Device, report: ResultInput) -> ReportReply:
+        """Validates and durably records a device's result; OK only once it is stored."""
+        assignment = await self._held_assignment(device, report.job_id, report.task_id, report.cookie)
+        task = await self._store.get_task(assignment.task_id)
+        payload_sha = await self._stage_payload(task, report)
+        # Identifies the report's content, so a retry without its request_id is still "the same".
+        digest = hashlib.sha256(
+            json.dumps([report.status.value, payload_sha, report.error_message]).encode()
+        ).hexdigest()
+        outcome = await self._reports.submit(
+            ResultReport(
+                assignment_id=assignment.assignment_id,
+                device_id=device.device_id,
+                status=report.status,
+                payload_sha256=payload_sha,
+                report_digest=digest,
+                request_id=report.request_id or digest,
+                error_message=report.error_message[:4000],
+            )
+        )
+        next_cookie = self._signer.sign(Cookie(device_id=device.device_id, job_id=report.job_id))
+        if outcome.outcome is ReportOutcome.STALE:
+            job = await self._store.get_job(report.job_id)
+            status = DeviceStatus.DONE if job.state in _FINAL_JOB_STATES else DeviceStatus.STALE
+            return ReportReply(status=status, cookie=next_cookie, message="recorded, not aggregated")
+        if not outcome.duplicate:
+            self._listener.result_recorded(report.job_id, task)
+            if report.status is ResultStatus.FAILED:
+                self._notifier.notify(report.job_id)  # the freed slot may go to another device
+        return ReportReply(status=DeviceStatus.OK, cookie=next_cookie)
+
+    async def _stage_payload(self, task: Task, report: ResultInput) -> str | None:
+        """Checks the result's payload and stores it as a blob; returns its sha256."""
+        if report.status is ResultStatus.FAILED:
+            return None
+        if report.status is not ResultStatus.SUCCEEDED:
+            raise InvalidArgument("status must be SUCCEEDED or FAILED")
+        if report.inline is not None:
+            data = report.inline
+            if len(data) > self._config.max_result_bytes:
+                raise ResourceExhausted(
+                    f"the result is {len(data)} bytes, over the limit of {self._config.max_result_bytes}"
+                )
+        elif report.blob_sha256:
+            try:
+                blob = await self._store.blobs.stat(report.blob_sha256)
+            except NotFound:
+                raise NotFound(
+                    f"result blob {report.blob_sha256} was not uploaded (or not completed)"
+                ) from None
+            limit = self._config.max_result_bytes
+            if blob.size_bytes > limit:
+                raise ResourceExhausted(f"the result is {blob.size_bytes} bytes, over the limit of {limit}")
+            data = await self._store.blobs.read(report.blob_sha256)
+        else:
+            raise InvalidArgument("a SUCCEEDED report needs a result (inline DXO or blob)")
+        dxo = DXO.from_bytes(data)
+        await self._validator.validate(task, dxo)
+        if report.inline is not None:
+            return (await self._store.blobs.put_bytes(data)).sha256
+        return report.blob_sha256
+
+    async def _report_batch(self, reports: Sequence[ResultReport]) -> list[RecordOutcome | BaseException]:
+        return list(await self._store.record_results(reports, self._clock.now()))
+
+    # ---- leases ----
+    async def renew_lease(self, device: Device, *, job_id: str, task_id: str, cookie: bytes) -> LeaseReply:
+        """Extends the lease of an assignment the device still holds."""
+        assignment = await self._held_assignment(device, job_id, task_id, cookie)
+        try:
+            renewed = await self._store.renew_lease(
+                assignment.assignment_id, device.device_id, self._clock.now(), self._config.lease
+            )
+        except LeaseLost:
+            return LeaseReply(status=await self._stale_or_done(job_id))
+        return LeaseReply(status=DeviceStatus.OK, lease_expires_at=renewed.lease_expires_at)
+
+    async def release(self, device: Device, *, job_id: str, task_id: str, cookie: bytes) -> LeaseReply:
+        """Gives an assignment back so its task can go to another device."""
+        assignment = await self._held_assignment(device, job_id, task_id, cookie)
+        try:
+            await self._store.release_assignment(
+                assignment.assignment_id, device.device_id, self._clock.now()
+            )
+        except LeaseLost:
+            return LeaseReply(status=await self._stale_or_done(job_id))
+        task = await self._store.get_task(assignment.task_id)
+        self._listener.result_recorded(job_id, task)
+        self._notifier.notify(job_id)
+        return LeaseReply(status=DeviceStatus.OK)
+
+    async def _stale_or_done(self, job_id: str) -> DeviceStatus:
+        job = await self._store.get_job(job_id)
+        return DeviceStatus.DONE if job.state in _FINAL_JOB_STATES else DeviceStatus.STALE
+
+    # ---- blobs ----
+    async def check_blob_access(self, device: Device, sha256: str) -> None:
+        """Refuses a download of a blob that is not the input of one of the device's tasks."""
+        if not await self._store.device_may_read_blob(device.device_id, sha256):
+            raise PermissionDenied(f"blob {sha256} is not the input of a task assigned to this device")
