@@ -365,14 +365,14 @@ class _Ref:
     target: object
 
     def wrong_kind(self, what: str) -> JobConfigError:
-        return JobConfigError(f"{self.where} = {self.ref!r} is a {type(self.target).__name__}, not a {what}")
+        return JobConfigError(f"{self.where} = {self.ref!r} is a {type(self.target).__name__}, not {what}")
 
 
 def _filters(doc: Mapping[str, Any], key: str, components: Mapping[str, object]) -> tuple[Filter, ...]:
     result: list[Filter] = []
     for item in _ref_list(doc, key, components):
         if not isinstance(item.target, Filter):
-            raise item.wrong_kind("Filter (with a filter() method)")
+            raise item.wrong_kind("a Filter (with a filter() method)")
         result.append(item.target)
     return tuple(result)
 
@@ -381,6 +381,6 @@ def _handlers(doc: Mapping[str, Any], components: Mapping[str, object]) -> tuple
     result: list[EventHandler] = []
     for item in _ref_list(doc, "handlers", components):
         if not isinstance(item.target, EventHandler):
-            raise item.wrong_kind("EventHandler (with a handle_event() method)")
+            raise item.wrong_kind("an EventHandler (with a handle_event() method)")
         result.append(item.target)
     return tuple(result)
