@@ -4,6 +4,8 @@
 :class:`BlobStore`. Schema changes are Alembic migrations (``fedlink db upgrade``).
 """
 
+from fedlink.server.store.blobs import SqlBlobStore
+from fedlink.server.store.migrate import current_revision, downgrade, head_revision, upgrade
 from fedlink.server.store.protocol import (
     CHUNK_SIZE,
     BlobRef,
@@ -16,6 +18,7 @@ from fedlink.server.store.protocol import (
     ResultReport,
     StateStore,
 )
+from fedlink.server.store.sql import SqlStateStore, create_store, open_store
 
 __all__ = [
     "CHUNK_SIZE",
@@ -27,5 +30,13 @@ __all__ = [
     "Page",
     "RecordOutcome",
     "ResultReport",
+    "SqlBlobStore",
+    "SqlStateStore",
     "StateStore",
+    "create_store",
+    "current_revision",
+    "downgrade",
+    "head_revision",
+    "open_store",
+    "upgrade",
 ]

@@ -1,0 +1,334 @@
+"""The content-addressed blob store: metadata in the database, bytes in a :mod:`blob_backends` backend."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import AsyncIterator, Collection
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from fedlink.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from fedlink.server.domain import Blob, Clock, new_id
+from fedlink.server.store.blob_backends import BlobBytes, sha256_of
+from fedlink.server.store.dialect import Database
+from fedlink.server.store.protocol import CHUNK_SIZE, BlobRef
+from fedlink.server.store.schema import (
+    blob_uploads,
+    blobs,
+    checkpoints,
+    jobs,
+    results,
+    runs,
+    tasks,
+)
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _check_sha(sha256: str) -> str:
+    if not _SHA256.fullmatch(sha256):
+        raise InvalidArgument(f"{sha256!r} is not a lowercase hex sha256")
+    return sha256
+
+
+def _upload_key(sha256: str) -> str:
+    return f"up-{sha256}"
+
+
+def unreferenced(sha_column: sa.ColumnElement[str]) -> sa.ColumnElement[bool]:
+    """The condition "no job, run, task, result or checkpoint points at this blob"."""
+    references = [
+        (jobs, jobs.c.initial_model_sha256),
+        (runs, runs.c.global_model_sha256),
+        (tasks, tasks.c.payload_sha256),
+        (results, results.c.payload_sha256),
+        (checkpoints, checkpoints.c.model_sha256),
+    ]
+    return sa.and_(*(~sa.exists().where(column == sha_column) for _table, column in references))
+
+
+class SqlBlobStore:
+    """Blobs keyed by sha256: stored once per content, uploaded resumably, read as a stream."""
+
+    def __init__(self, database: Database, clock: Clock, backend: BlobBytes) -> None:
+        self._db = database
+        self._clock = clock
+        self._bytes = backend
+
+    async def _blob_row(self, conn: AsyncConnection, sha256: str) -> sa.Row[Any, Any, Any] | None:
+        query = sa.select(blobs.c.sha256, blobs.c.size_bytes, blobs.c.created_at).where(
+            blobs.c.sha256 == sha256
+        )
+        return (await conn.execute(query)).first()
+
+    async def exists(self, sha256: str) -> bool:
+        """Tell whether a committed blob with this hash is stored."""
+        async with self._db.read() as conn:
+            return await self._blob_row(conn, sha256) is not None
+
+    async def stat(self, sha256: str) -> Blob:
+        """Return a stored blob's metadata; NotFound if it is not stored."""
+        async with self._db.read() as conn:
+            row = await self._blob_row(conn, sha256)
+        if row is None:
+            raise NotFound(f"blob {sha256} does not exist")
+        return Blob(sha256=row.sha256, size_bytes=row.size_bytes, created_at=row.created_at)
+
+    async def _publish(self, key: str, sha256: str, size: int) -> BlobRef:
+        """Turn the finished upload under ``key`` into blob ``sha256`` (or drop it if stored already)."""
+
+        async def work(conn: AsyncConnection) -> bool:
+            inserted = await conn.execute(
+                self._db.insert_ignore(blobs).values(
+                    sha256=sha256, size_bytes=size, created_at=self._clock.now()
+                )
+            )
+            await conn.execute(sa.delete(blob_uploads).where(blob_uploads.c.upload_key == key))
+            if inserted.rowcount:
+                await self._bytes.rename(conn, key, sha256)
+            return bool(inserted.rowcount)
+
+        if not await self._db.write(work):
+            await self._remove_bytes([key])
+        return BlobRef(sha256=sha256, size_bytes=size)
+
+    async def _remove_bytes(self, keys: Collection[str]) -> None:
+        if keys:
+
+            async def work(conn: AsyncConnection) -> None:
+                await self._bytes.remove(conn, keys)
+
+            await self._db.write(work)
+
+    async def put_bytes(self, data: bytes) -> BlobRef:
+        """Store ``data`` (once per content) and return its reference."""
+        sha256 = hashlib.sha256(data).hexdigest()
+        if await self.exists(sha256):
+            return BlobRef(sha256=sha256, size_bytes=len(data))
+        key = f"put-{new_id()}"
+
+        async def work(conn: AsyncConnection) -> None:
+            await self._bytes.write(conn, key, 0, data)
+
+        await self._db.write(work)
+        return await self._publish(key, sha256, len(data))
+
+    async def put_stream(self, chunks: AsyncIterator[bytes]) -> BlobRef:
+        """Store a stream of unknown hash chunk by chunk and return its reference."""
+        key = f"stream-{new_id()}"
+        digest = hashlib.sha256()
+        size = 0
+        await self._insert_upload(key, None, None)
+        try:
+            async for chunk in chunks:
+                digest.update(chunk)
+                offset = size
+
+                async def work(conn: AsyncConnection, offset: int = offset, chunk: bytes = chunk) -> None:
+                    await self._bytes.write(conn, key, offset, chunk)
+
+                await self._db.write(work)
+                size += len(chunk)
+        except BaseException:
+            await self._discard(key)
+            raise
+        return await self._publish(key, digest.hexdigest(), size)
+
+    async def _insert_upload(self, key: str, sha256: str | None, size_bytes: int | None) -> None:
+        async def work(conn: AsyncConnection) -> None:
+            await conn.execute(
+                self._db.insert_ignore(blob_uploads).values(
+                    upload_key=key,
+                    sha256=sha256,
+                    size_bytes=size_bytes,
+                    received_bytes=0,
+                    created_at=self._clock.now(),
+                )
+            )
+
+        await self._db.write(work)
+
+    async def _discard(self, key: str) -> None:
+        async def work(conn: AsyncConnection) -> None:
+            await conn.execute(sa.delete(blob_uploads).where(blob_uploads.c.upload_key == key))
+
+        await self._db.write(work)
+        await self._remove_bytes([key])
+
+    async def begin_upload(self, sha256: str, size_bytes: int) -> int:
+        """Start (or resume) an upload of a blob with a known hash; return the bytes received so far."""
+        _check_sha(sha256)
+        if size_bytes < 0:
+            raise InvalidArgument(f"size_bytes must be >= 0, got {size_bytes}")
+        await self._insert_upload(_upload_key(sha256), sha256, size_bytes)
+        async with self._db.read() as conn:
+            blob = await self._blob_row(conn, sha256)
+            upload = (
+                await conn.execute(
+                    sa.select(blob_uploads).where(blob_uploads.c.upload_key == _upload_key(sha256))
+                )
+            ).first()
+        if blob is not None:
+            return int(blob.size_bytes)
+        if upload is None:
+            raise FailedPrecondition(f"the upload of {sha256} was discarded meanwhile; begin again")
+        if upload.size_bytes != size_bytes:
+            raise InvalidArgument(
+                f"blob {sha256} is being uploaded with size {upload.size_bytes}, not {size_bytes}"
+            )
+        return int(upload.received_bytes)
+
+    async def received_bytes(self, sha256: str) -> int:
+        """Return how many bytes of ``sha256`` the store holds (its size once committed)."""
+        async with self._db.read() as conn:
+            blob = await self._blob_row(conn, sha256)
+            if blob is not None:
+                return int(blob.size_bytes)
+            received = (
+                await conn.execute(
+                    sa.select(blob_uploads.c.received_bytes).where(
+                        blob_uploads.c.upload_key == _upload_key(sha256)
+                    )
+                )
+            ).scalar()
+        return int(received or 0)
+
+    async def append_upload(self, sha256: str, offset: int, data: bytes) -> int:
+        """Add ``data`` at ``offset`` (which must equal the bytes received); return the new total."""
+        key = _upload_key(_check_sha(sha256))
+
+        async def work(conn: AsyncConnection) -> int:
+            where = blob_uploads.c.upload_key == key
+            upload = (await conn.execute(sa.select(blob_uploads).where(where))).first()
+            if upload is None:
+                raise FailedPrecondition(f"no upload of {sha256} is in progress: begin it first")
+            if offset != upload.received_bytes:
+                raise FailedPrecondition(
+                    f"upload of {sha256} has {upload.received_bytes} bytes: append there, not at {offset}"
+                )
+            total = offset + len(data)
+            if total > upload.size_bytes:
+                raise InvalidArgument(
+                    f"upload of {sha256} would exceed its announced {upload.size_bytes} bytes"
+                )
+            # The received count only moves if nobody appended meanwhile; the bytes follow it.
+            moved = await conn.execute(
+                sa.update(blob_uploads)
+                .where(where, blob_uploads.c.received_bytes == offset)
+                .values(received_bytes=total)
+            )
+            if moved.rowcount != 1:
+                raise FailedPrecondition(f"upload of {sha256} moved on concurrently; ask for received bytes")
+            await self._bytes.write(conn, key, offset, data)
+            return total
+
+        return await self._db.write(work)
+
+    async def commit_upload(self, sha256: str) -> BlobRef:
+        """Check the uploaded bytes hash to ``sha256`` and make the blob readable.
+
+        Raises:
+            FailedPrecondition: the upload is missing or incomplete.
+            InvalidArgument: the bytes do not hash to ``sha256``; the upload is discarded.
+        """
+        key = _upload_key(_check_sha(sha256))
+        async with self._db.read() as conn:
+            blob = await self._blob_row(conn, sha256)
+            upload = (
+                await conn.execute(sa.select(blob_uploads).where(blob_uploads.c.upload_key == key))
+            ).first()
+        if blob is not None:
+            return BlobRef(sha256=sha256, size_bytes=int(blob.size_bytes))
+        if upload is None:
+            raise FailedPrecondition(f"no upload of {sha256} is in progress")
+        if upload.received_bytes != upload.size_bytes:
+            raise FailedPrecondition(
+                f"upload of {sha256} has {upload.received_bytes} of {upload.size_bytes} bytes"
+            )
+        actual, size = await sha256_of(self._bytes, key)
+        if actual != sha256 or size != upload.size_bytes:
+            await self._discard(key)
+            raise InvalidArgument(f"the uploaded bytes hash to {actual}, not {sha256}: upload discarded")
+        return await self._publish(key, sha256, size)
+
+    async def iter_chunks(
+        self, sha256: str, offset: int = 0, chunk_size: int = CHUNK_SIZE
+    ) -> AsyncIterator[bytes]:
+        """Yield the blob's bytes from ``offset`` in chunks of at most ``chunk_size`` bytes."""
+        blob = await self.stat(sha256)
+        if not 0 <= offset <= blob.size_bytes:
+            raise InvalidArgument(f"offset {offset} is outside blob {sha256} of {blob.size_bytes} bytes")
+        if chunk_size < 1:
+            raise InvalidArgument(f"chunk_size must be >= 1, got {chunk_size}")
+        async for chunk in self._bytes.read(sha256, offset, chunk_size):
+            yield chunk
+
+    async def read(self, sha256: str, offset: int = 0, size: int | None = None) -> bytes:
+        """Return ``size`` bytes from ``offset`` (to the end if None): for small blobs and ranges."""
+        parts: list[bytes] = []
+        remaining = size
+        async for chunk in self.iter_chunks(sha256, offset):
+            if remaining is not None:
+                chunk = chunk[:remaining]
+                remaining -= len(chunk)
+            parts.append(chunk)
+            if remaining == 0:
+                break
+        return b"".join(parts)
+
+    async def delete(self, sha256: str) -> int:
+        """Delete a blob even if referenced; return the bytes freed (0 if it was not stored)."""
+
+        async def work(conn: AsyncConnection) -> int:
+            gone = await conn.execute(
+                sa.delete(blobs).where(blobs.c.sha256 == sha256).returning(blobs.c.size_bytes)
+            )
+            return sum(gone.scalars())
+
+        freed = await self._db.write(work)
+        await self._remove_bytes([sha256])
+        return freed
+
+    async def _delete_where(self, condition: sa.ColumnElement[bool]) -> int:
+        async def work(conn: AsyncConnection) -> list[tuple[str, int]]:
+            gone = await conn.execute(
+                sa.delete(blobs).where(condition).returning(blobs.c.sha256, blobs.c.size_bytes)
+            )
+            return [(row.sha256, row.size_bytes) for row in gone]
+
+        deleted = await self._db.write(work)
+        await self._remove_bytes([sha for sha, _ in deleted])
+        return sum(size for _, size in deleted)
+
+    async def delete_if_unreferenced(self, candidates: Collection[str]) -> int:
+        """Delete those of ``candidates`` that nothing references any more; return the bytes freed."""
+        if not candidates:
+            return 0
+        return await self._delete_where(
+            sa.and_(blobs.c.sha256.in_(sorted(candidates)), unreferenced(blobs.c.sha256))
+        )
+
+    async def gc_unreferenced(self, older_than: datetime) -> int:
+        """Delete blobs created before ``older_than`` that nothing references, and stale uploads.
+
+        Returns the bytes freed.
+        """
+        freed = await self._delete_where(
+            sa.and_(blobs.c.created_at < older_than, unreferenced(blobs.c.sha256))
+        )
+
+        async def work(conn: AsyncConnection) -> list[tuple[str, int]]:
+            gone = await conn.execute(
+                sa.delete(blob_uploads)
+                .where(blob_uploads.c.created_at < older_than)
+                .returning(blob_uploads.c.upload_key, blob_uploads.c.received_bytes)
+            )
+            return [(row.upload_key, row.received_bytes) for row in gone]
+
+        uploads = await self._db.write(work)
+        await self._remove_bytes([key for key, _ in uploads])
+        return freed + sum(received for _, received in uploads)

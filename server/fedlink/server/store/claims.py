@@ -1,0 +1,316 @@
+"""Tasks, and the hot path: devices claiming them under leases.
+
+A claim INSERTs an assignment row and never updates a shared queue row (PostgreSQL's dead row
+versions would pile up on it). Two indexes make double assignment impossible whatever the isolation
+level: unique (task_id, device_id), and unique (task_id, slot) over the LEASED/COMPLETED assignments.
+A claim picks the lowest slot it sees free and inserts with ON CONFLICT DO NOTHING; if a concurrent
+claim took that slot (or task) first, it looks again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from fedlink.common.errors import InvalidArgument, PermissionDenied
+from fedlink.server.domain import (
+    ACTIVE_ASSIGNMENT_STATES,
+    Assignment,
+    AssignmentState,
+    LeaseLost,
+    Task,
+    TaskState,
+    new_id,
+    transition_task,
+)
+from fedlink.server.store import rows
+from fedlink.server.store.core import StoreCore
+from fedlink.server.store.protocol import ClaimRequest, NewTask
+from fedlink.server.store.schema import assignments, task_targets, tasks
+
+_ACTIVE = [state.value for state in ACTIVE_ASSIGNMENT_STATES]
+_LEASED = AssignmentState.LEASED.value
+_OPEN = TaskState.OPEN.value
+# How many candidate tasks one look fetches, and how many looks a claim may take when it keeps
+# losing races; each lost race means another device got a task, so the system makes progress.
+_CANDIDATES = 8
+_MAX_LOOKS = 50
+
+
+class ClaimQueries(StoreCore):
+    """The tasks, claims and leases part of the SQL store."""
+
+    async def create_tasks(self, new_tasks: Sequence[NewTask]) -> Sequence[Task]:
+        """Create OPEN tasks (and their target lists) in one transaction."""
+        now = self._clock.now()
+        task_rows: list[dict[str, object]] = []
+        target_rows: list[dict[str, str]] = []
+        for new in new_tasks:
+            if new.slots < 1:
+                raise InvalidArgument(f"a task needs at least one slot, got {new.slots}")
+            if new.deadline.tzinfo is None:
+                raise InvalidArgument("task deadlines must be timezone-aware")
+            task_id = new_id()
+            task_rows.append(
+                {
+                    "task_id": task_id,
+                    "job_id": new.job_id,
+                    "run_id": new.run_id,
+                    "round": new.round,
+                    "name": new.name,
+                    "payload_sha256": new.payload_sha256,
+                    "deadline": new.deadline,
+                    "slots": new.slots,
+                    "targeted": bool(new.targets),
+                    "state": _OPEN,
+                    "created_at": now,
+                }
+            )
+            target_rows.extend({"task_id": task_id, "device_id": d} for d in sorted(set(new.targets)))
+        if not task_rows:
+            return []
+
+        async def work(conn: AsyncConnection) -> Sequence[Task]:
+            await conn.execute(sa.insert(tasks), task_rows)
+            if target_rows:
+                await conn.execute(sa.insert(task_targets), target_rows)
+            ids = [r["task_id"] for r in task_rows]
+            found = {
+                r.task_id: rows.task(r)
+                for r in await conn.execute(sa.select(tasks).where(tasks.c.task_id.in_(ids)))
+            }
+            return [found[task_id] for task_id in ids]
+
+        return await self._db.write(work)
+
+    async def get_task(self, task_id: str) -> Task:
+        """Return a task; NotFound if unknown."""
+        async with self._db.read() as conn:
+            row = await self._fetch_one(
+                conn, sa.select(tasks).where(tasks.c.task_id == task_id), f"task {task_id}"
+            )
+        return rows.task(row)
+
+    async def list_tasks(self, run_id: str, *, round: int | None = None) -> Sequence[Task]:
+        """Return a run's tasks (of one round if given), oldest first."""
+        query = sa.select(tasks).where(tasks.c.run_id == run_id).order_by(tasks.c.created_at, tasks.c.task_id)
+        if round is not None:
+            query = query.where(tasks.c.round == round)
+        async with self._db.read() as conn:
+            return [rows.task(r) for r in await conn.execute(query)]
+
+    async def close_task(self, task_id: str) -> Task:
+        """Close an OPEN task: nobody may claim it any more, and later reports for it are stale."""
+        return await self._end_task(task_id, TaskState.CLOSED)
+
+    async def cancel_task(self, task_id: str) -> Task:
+        """Cancel an OPEN task."""
+        return await self._end_task(task_id, TaskState.CANCELLED)
+
+    async def _end_task(self, task_id: str, target: TaskState) -> Task:
+        async def work(conn: AsyncConnection) -> Task:
+            where = tasks.c.task_id == task_id
+            row = await self._fetch_one(conn, sa.select(tasks).where(where), f"task {task_id}")
+            transition_task(TaskState(row.state), target)
+            updated = await conn.execute(
+                sa.update(tasks).where(where).values(state=target.value).returning(tasks)
+            )
+            return rows.task(updated.one())
+
+        return await self._db.write(work)
+
+    async def cancel_job_tasks(self, job_id: str) -> int:
+        """Cancel every OPEN task of a job; return how many."""
+
+        async def work(conn: AsyncConnection) -> int:
+            statement = (
+                sa.update(tasks)
+                .where(tasks.c.job_id == job_id, tasks.c.state == _OPEN)
+                .values(state=TaskState.CANCELLED.value)
+            )
+            return (await conn.execute(statement)).rowcount
+
+        return await self._db.write(work)
+
+    # ---- claims ----
+    async def claim_tasks(
+        self, requests: Sequence[ClaimRequest], now: datetime, lease: timedelta
+    ) -> list[Assignment | None]:
+        """Serve many task requests in one transaction; None where the device has nothing to do.
+
+        Per request: the device's unexpired LEASED assignment in the job if it has one (re-delivery);
+        else a new assignment of the oldest OPEN, unexpired task of the job that the device may take
+        (untargeted or targeted at it), has no assignment of yet, and that has a free slot.
+        """
+        if not requests:
+            return []
+
+        async def work(conn: AsyncConnection) -> list[Assignment | None]:
+            return [
+                await _claim_one(self._db.insert_ignore(assignments), conn, r, now, lease) for r in requests
+            ]
+
+        return await self._db.write(work)
+
+    async def claim_task(
+        self, device_id: str, job_id: str, now: datetime, lease: timedelta
+    ) -> Assignment | None:
+        """Serve one task request; None if nothing is available for the device."""
+        (claimed,) = await self.claim_tasks([ClaimRequest(device_id=device_id, job_id=job_id)], now, lease)
+        return claimed
+
+    async def get_assignment(self, assignment_id: str) -> Assignment:
+        """Return an assignment; NotFound if unknown."""
+        query = sa.select(assignments).where(assignments.c.assignment_id == assignment_id)
+        async with self._db.read() as conn:
+            return rows.assignment(await self._fetch_one(conn, query, f"assignment {assignment_id}"))
+
+    async def _held(self, conn: AsyncConnection, assignment_id: str, device_id: str, now: datetime) -> None:
+        """Check ``device_id`` holds a live lease on the assignment; raise what it lacks."""
+        query = (
+            sa.select(assignments, tasks.c.state.label("task_state"))
+            .join(tasks, tasks.c.task_id == assignments.c.task_id)
+            .where(assignments.c.assignment_id == assignment_id)
+        )
+        row = await self._fetch_one(conn, query, f"assignment {assignment_id}")
+        if row.device_id != device_id:
+            raise PermissionDenied(f"assignment {assignment_id} belongs to another device")
+        if row.state != _LEASED:
+            raise LeaseLost(assignment_id, f"it is {row.state}")
+        if row.lease_expires_at <= now:
+            raise LeaseLost(assignment_id, "its lease expired")
+        if row.task_state != _OPEN:
+            raise LeaseLost(assignment_id, f"its task is {row.task_state}")
+
+    async def renew_lease(
+        self, assignment_id: str, device_id: str, now: datetime, lease: timedelta
+    ) -> Assignment:
+        """Extend a held lease to ``now + lease``; LeaseLost if it is no longer held."""
+        return await self._update_held(assignment_id, device_id, now, lease_expires_at=now + lease)
+
+    async def release_assignment(self, assignment_id: str, device_id: str, now: datetime) -> Assignment:
+        """Give a held assignment back, freeing its slot; LeaseLost if it is no longer held."""
+        return await self._update_held(assignment_id, device_id, now, state=AssignmentState.RELEASED.value)
+
+    async def _update_held(
+        self, assignment_id: str, device_id: str, now: datetime, **values: object
+    ) -> Assignment:
+        async def work(conn: AsyncConnection) -> Assignment:
+            await self._held(conn, assignment_id, device_id, now)
+            updated = (
+                await conn.execute(
+                    sa.update(assignments)
+                    .where(assignments.c.assignment_id == assignment_id, assignments.c.state == _LEASED)
+                    .values(**values)
+                    .returning(assignments)
+                )
+            ).first()
+            if updated is None:
+                raise LeaseLost(assignment_id, "it changed concurrently")
+            return rows.assignment(updated)
+
+        return await self._db.write(work)
+
+    async def expire_leases(self, now: datetime) -> Sequence[Assignment]:
+        """Expire every LEASED assignment whose lease ended at or before ``now``; return them."""
+
+        async def work(conn: AsyncConnection) -> Sequence[Assignment]:
+            expired = await conn.execute(
+                sa.update(assignments)
+                .where(assignments.c.state == _LEASED, assignments.c.lease_expires_at <= now)
+                .values(state=AssignmentState.EXPIRED.value)
+                .returning(assignments)
+            )
+            return [rows.assignment(r) for r in expired]
+
+        return await self._db.write(work)
+
+
+def _may_take(device_id: str) -> sa.ColumnElement[bool]:
+    """The task is untargeted or targeted at the device, and the device has no assignment of it."""
+    targeted_at_device = sa.exists().where(
+        task_targets.c.task_id == tasks.c.task_id, task_targets.c.device_id == device_id
+    )
+    has_assignment = sa.exists().where(
+        assignments.c.task_id == tasks.c.task_id, assignments.c.device_id == device_id
+    )
+    return sa.and_(sa.or_(tasks.c.targeted.is_(False), targeted_at_device), ~has_assignment)
+
+
+def _active_count() -> sa.ScalarSelect[int]:
+    return (
+        sa.select(sa.func.count())
+        .where(assignments.c.task_id == tasks.c.task_id, assignments.c.state.in_(_ACTIVE))
+        .scalar_subquery()
+    )
+
+
+async def _claim_one(
+    insert: sa.Insert, conn: AsyncConnection, request: ClaimRequest, now: datetime, lease: timedelta
+) -> Assignment | None:
+    held_query = (
+        sa.select(assignments)
+        .join(tasks, tasks.c.task_id == assignments.c.task_id)
+        .where(
+            assignments.c.device_id == request.device_id,
+            assignments.c.job_id == request.job_id,
+            assignments.c.state == _LEASED,
+            assignments.c.lease_expires_at > now,
+            tasks.c.state == _OPEN,
+            tasks.c.deadline > now,
+        )
+        .order_by(assignments.c.created_at)
+        .limit(1)
+    )
+    candidates_query = (
+        sa.select(tasks.c.task_id, tasks.c.slots)
+        .where(
+            tasks.c.job_id == request.job_id,
+            tasks.c.state == _OPEN,
+            tasks.c.deadline > now,
+            _may_take(request.device_id),
+            _active_count() < tasks.c.slots,
+        )
+        .order_by(tasks.c.created_at, tasks.c.task_id)
+        .limit(_CANDIDATES)
+    )
+    for _ in range(_MAX_LOOKS):
+        # Checked on every look: a concurrent request of the same device may have won meanwhile.
+        if (row := (await conn.execute(held_query)).first()) is not None:
+            return rows.assignment(row)
+        candidates = (await conn.execute(candidates_query)).all()
+        if not candidates:
+            return None
+        for task_id, slots in candidates:
+            used = set(
+                (
+                    await conn.execute(
+                        sa.select(assignments.c.slot).where(
+                            assignments.c.task_id == task_id, assignments.c.state.in_(_ACTIVE)
+                        )
+                    )
+                ).scalars()
+            )
+            free = next((slot for slot in range(slots) if slot not in used), None)
+            if free is None:
+                continue
+            inserted = (
+                await conn.execute(
+                    insert.values(
+                        assignment_id=new_id(),
+                        task_id=task_id,
+                        job_id=request.job_id,
+                        device_id=request.device_id,
+                        slot=free,
+                        state=_LEASED,
+                        lease_expires_at=now + lease,
+                        created_at=now,
+                    ).returning(assignments)
+                )
+            ).first()
+            if inserted is not None:
+                return rows.assignment(inserted)
+    return None

@@ -1,0 +1,137 @@
+"""Device enrollment, authentication, presence and revocation."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from fedlink.common.errors import AlreadyExists, Unauthenticated
+from fedlink.server.domain import Device, DeviceState, new_id, transition_device
+from fedlink.server.store import rows
+from fedlink.server.store.core import StoreCore
+from fedlink.server.store.protocol import Page
+from fedlink.server.store.schema import devices
+
+
+class DeviceQueries(StoreCore):
+    """The devices part of the SQL store."""
+
+    async def enroll_device(
+        self,
+        device_info: Mapping[str, str],
+        user_info: Mapping[str, str],
+        credential_hash: str,
+        *,
+        device_id: str | None = None,
+    ) -> Device:
+        """Enroll a device under the hash of its credential (never the credential itself)."""
+        now = self._clock.now()
+        values = {
+            "device_id": device_id or new_id(),
+            "credential_hash": credential_hash,
+            "device_info": rows.dump_map(device_info),
+            "user_info": rows.dump_map(user_info),
+            "state": DeviceState.ONLINE.value,
+            "enrolled_at": now,
+            "last_seen": now,
+        }
+
+        async def work(conn: AsyncConnection) -> Device:
+            inserted = (
+                await conn.execute(self._db.insert_ignore(devices).values(values).returning(devices))
+            ).first()
+            if inserted is None:
+                raise AlreadyExists("a device with this id or credential is enrolled already")
+            return rows.device(inserted)
+
+        return await self._db.write(work)
+
+    async def authenticate_device(self, credential_hash: str) -> Device:
+        """Return the device with this credential; Unauthenticated if unknown or revoked."""
+        async with self._db.read() as conn:
+            row = (
+                await conn.execute(sa.select(devices).where(devices.c.credential_hash == credential_hash))
+            ).first()
+        if row is None:
+            raise Unauthenticated("unknown device credential")
+        found = rows.device(row)
+        if found.state is DeviceState.REVOKED:
+            raise Unauthenticated(f"the credential of device {found.device_id} was revoked")
+        return found
+
+    async def get_device(self, device_id: str) -> Device:
+        """Return a device; NotFound if unknown."""
+        async with self._db.read() as conn:
+            row = await self._fetch_one(
+                conn, sa.select(devices).where(devices.c.device_id == device_id), f"device {device_id}"
+            )
+        return rows.device(row)
+
+    async def touch_devices(self, device_ids: Sequence[str], now: datetime) -> None:
+        """Record that these devices were seen at ``now`` (OFFLINE ones come back ONLINE)."""
+        if not device_ids:
+            return
+        statement = (
+            sa.update(devices)
+            .where(
+                devices.c.device_id.in_(sorted(set(device_ids))),
+                devices.c.state != DeviceState.REVOKED.value,
+            )
+            .values(last_seen=now, state=DeviceState.ONLINE.value)
+        )
+
+        async def work(conn: AsyncConnection) -> None:
+            await conn.execute(statement)
+
+        await self._db.write(work)
+
+    async def mark_offline(self, older_than: datetime) -> int:
+        """Move ONLINE devices not seen since ``older_than`` to OFFLINE; return how many moved."""
+        statement = (
+            sa.update(devices)
+            .where(devices.c.state == DeviceState.ONLINE.value, devices.c.last_seen < older_than)
+            .values(state=DeviceState.OFFLINE.value)
+        )
+
+        async def work(conn: AsyncConnection) -> int:
+            return (await conn.execute(statement)).rowcount
+
+        return await self._db.write(work)
+
+    async def revoke_device(self, device_id: str) -> Device:
+        """Revoke a device's credential for good; IllegalTransition if it was revoked already."""
+
+        async def work(conn: AsyncConnection) -> Device:
+            where = devices.c.device_id == device_id
+            row = await self._fetch_one(conn, sa.select(devices).where(where), f"device {device_id}")
+            transition_device(DeviceState(row.state), DeviceState.REVOKED)
+            updated = (
+                await conn.execute(
+                    sa.update(devices).where(where).values(state=DeviceState.REVOKED.value).returning(devices)
+                )
+            ).one()
+            return rows.device(updated)
+
+        return await self._db.write(work)
+
+    async def list_devices(
+        self, *, page_size: int = 100, page_token: str = "", state: DeviceState | None = None
+    ) -> Page[Device]:
+        """List devices, newest enrollment first."""
+        size = rows.check_page_size(page_size)
+        query = sa.select(devices).order_by(devices.c.enrolled_at.desc(), devices.c.device_id.desc())
+        if state is not None:
+            query = query.where(devices.c.state == state.value)
+        if page_token:
+            when, last_id = rows.decode_page_token(page_token)
+            query = query.where(rows.before(devices.c.enrolled_at, devices.c.device_id, when, last_id))
+        async with self._db.read() as conn:
+            found = [rows.device(r) for r in (await conn.execute(query.limit(size + 1))).all()]
+        items = found[:size]
+        token = (
+            rows.encode_page_token(items[-1].enrolled_at, items[-1].device_id) if len(found) > size else ""
+        )
+        return Page(items=items, next_page_token=token)

@@ -1,0 +1,144 @@
+"""Everything that differs between SQLite and PostgreSQL, in one place.
+
+SQLite: WAL, ``synchronous=NORMAL``, foreign keys on, a busy timeout, pysqlite's implicit BEGIN
+turned off and write transactions opened with ``BEGIN IMMEDIATE`` (so two writers queue at BEGIN
+instead of failing on upgrade from a read lock). ``:memory:`` shares one connection (StaticPool), so
+every transaction on it is serialised in-process. PostgreSQL: READ COMMITTED; write transactions are
+retried on deadlock and serialization failures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.pool import StaticPool
+
+from fedlink.common.errors import InvalidArgument, Unavailable
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+_WRITE_OPTION = "fedlink_write"
+# PostgreSQL SQLSTATEs worth retrying the whole transaction for.
+_RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
+_MAX_ATTEMPTS = 8
+
+
+def is_memory_sqlite(url: str) -> bool:
+    """Tell whether ``url`` names an in-memory SQLite database."""
+    parsed = make_url(url)
+    return parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:")
+
+
+def _on_sqlite_connect(dbapi_connection: Any, _record: Any, memory: bool) -> None:
+    # Take transaction control from the driver: BEGIN is emitted by _on_sqlite_begin.
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    try:
+        if not memory:
+            cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    finally:
+        cursor.close()
+
+
+def _on_sqlite_begin(conn: sa.Connection) -> None:
+    write = conn.get_execution_options().get(_WRITE_OPTION, False)
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+
+def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
+    """Create the async engine for ``url`` (``sqlite+aiosqlite://`` or ``postgresql+asyncpg://``)."""
+    parsed = make_url(url)
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        memory = is_memory_sqlite(url)
+        kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False}}
+        if memory:
+            kwargs["poolclass"] = StaticPool
+        engine = create_async_engine(url, **kwargs)
+        event.listen(engine.sync_engine, "connect", lambda c, r: _on_sqlite_connect(c, r, memory=memory))
+        event.listen(engine.sync_engine, "begin", _on_sqlite_begin)
+        return engine
+    if backend == "postgresql":
+        return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size)
+    raise InvalidArgument(
+        f"unsupported database URL {parsed.render_as_string(hide_password=True)!r}: "
+        "use sqlite+aiosqlite:///path.db or postgresql+asyncpg://user@host/db"
+    )
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    orig = getattr(exc, "orig", None)
+    for candidate in (orig, getattr(orig, "__cause__", None)):
+        code = getattr(candidate, "sqlstate", None) or getattr(candidate, "pgcode", None)
+        if isinstance(code, str):
+            return code
+    return None
+
+
+class Database:
+    """An engine plus the transaction discipline of its dialect."""
+
+    def __init__(self, url: str, *, pool_size: int = 10) -> None:
+        self.url = url
+        self.engine = create_engine(url, pool_size=pool_size)
+        self.dialect_name = self.engine.dialect.name
+        self.is_sqlite = self.dialect_name == "sqlite"
+        self._memory = is_memory_sqlite(url)
+        # SQLite takes one writer at a time anyway; queueing writers here keeps them off the busy
+        # handler (which sleeps in a thread). In memory, readers share the one connection too.
+        self._write_lock = asyncio.Lock() if self.is_sqlite else None
+        self._write_engine = self.engine.execution_options(**{_WRITE_OPTION: True})
+
+    def insert_ignore(self, table: sa.Table) -> Any:
+        """``INSERT ... ON CONFLICT DO NOTHING`` into ``table`` for this database's dialect."""
+        if self.is_sqlite:
+            return sqlite.insert(table).on_conflict_do_nothing()
+        return postgresql.insert(table).on_conflict_do_nothing()
+
+    @contextlib.asynccontextmanager
+    async def read(self) -> AsyncIterator[AsyncConnection]:
+        """A read-only transaction."""
+        if self._memory:
+            assert self._write_lock is not None
+            async with self._write_lock, self.engine.begin() as conn:
+                yield conn
+        else:
+            async with self.engine.begin() as conn:
+                yield conn
+
+    async def write(self, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
+        """Run ``work`` in one write transaction, retrying it on deadlock or serialization failure."""
+        for attempt in range(1, _MAX_ATTEMPTS + 1):
+            try:
+                if self._write_lock is not None:
+                    async with self._write_lock, self._write_engine.begin() as conn:
+                        return await work(conn)
+                async with self._write_engine.begin() as conn:
+                    return await work(conn)
+            except sa.exc.DBAPIError as exc:
+                if _sqlstate(exc) not in _RETRYABLE_SQLSTATES or attempt == _MAX_ATTEMPTS:
+                    if isinstance(exc, sa.exc.OperationalError) and "locked" in str(exc):
+                        raise Unavailable(f"database is busy: {exc.orig}") from exc
+                    raise
+                log.debug("retrying a write transaction after %s (attempt %d)", _sqlstate(exc), attempt)
+                await asyncio.sleep(0.001 * attempt)
+        raise AssertionError("unreachable")
+
+    async def dispose(self) -> None:
+        """Close every pooled connection."""
+        await self.engine.dispose()

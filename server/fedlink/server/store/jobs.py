@@ -1,0 +1,336 @@
+"""Jobs, their runs, checkpoints and progress events."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from fedlink.common.errors import FailedPrecondition, InvalidArgument
+from fedlink.server.domain import (
+    Checkpoint,
+    Job,
+    JobEvent,
+    JobState,
+    Run,
+    RunLeaseHeld,
+    RunState,
+    is_final,
+    new_id,
+    transition_job,
+    transition_run,
+)
+from fedlink.server.store import rows
+from fedlink.server.store.blobs import SqlBlobStore
+from fedlink.server.store.core import StoreCore
+from fedlink.server.store.protocol import NewJob, Page
+from fedlink.server.store.schema import checkpoints, job_events, jobs, results, runs, tasks
+
+
+class JobQueries(StoreCore):
+    """The jobs, runs, checkpoints and events part of the SQL store."""
+
+    _blob_store: SqlBlobStore
+
+    async def create_job(self, new_job: NewJob) -> Job:
+        """Create a PENDING job."""
+        if not new_job.name:
+            raise InvalidArgument("a job needs a name")
+        now = self._clock.now()
+        values = {
+            "job_id": new_id(),
+            "name": new_job.name,
+            "state": JobState.PENDING.value,
+            "spec_json": new_job.spec_json,
+            "job_data": new_job.job_data,
+            "initial_model_sha256": new_job.initial_model_sha256,
+            "device_selector": rows.dump_map(new_job.device_selector),
+            "message": "",
+            "created_at": now,
+            "updated_at": now,
+        }
+
+        async def work(conn: AsyncConnection) -> Job:
+            return rows.job((await conn.execute(sa.insert(jobs).values(values).returning(jobs))).one())
+
+        return await self._db.write(work)
+
+    async def get_job(self, job_id: str) -> Job:
+        """Return a job; NotFound if unknown."""
+        async with self._db.read() as conn:
+            row = await self._fetch_one(conn, sa.select(jobs).where(jobs.c.job_id == job_id), f"job {job_id}")
+        return rows.job(row)
+
+    async def list_jobs(
+        self, *, page_size: int = 100, page_token: str = "", state: JobState | None = None
+    ) -> Page[Job]:
+        """List jobs, newest first, with a stable keyset page token."""
+        size = rows.check_page_size(page_size)
+        query = sa.select(jobs).order_by(jobs.c.created_at.desc(), jobs.c.job_id.desc())
+        if state is not None:
+            query = query.where(jobs.c.state == state.value)
+        if page_token:
+            when, last_id = rows.decode_page_token(page_token)
+            query = query.where(rows.before(jobs.c.created_at, jobs.c.job_id, when, last_id))
+        async with self._db.read() as conn:
+            found = [rows.job(r) for r in (await conn.execute(query.limit(size + 1))).all()]
+        items = found[:size]
+        token = rows.encode_page_token(items[-1].created_at, items[-1].job_id) if len(found) > size else ""
+        return Page(items=items, next_page_token=token)
+
+    async def set_job_state(self, job_id: str, target: JobState, message: str = "") -> Job:
+        """Move a job to ``target``; IllegalTransition if its state machine has no such edge."""
+
+        async def work(conn: AsyncConnection) -> Job:
+            where = jobs.c.job_id == job_id
+            row = await self._fetch_one(conn, sa.select(jobs).where(where), f"job {job_id}")
+            transition_job(JobState(row.state), target)
+            updated = (
+                await conn.execute(
+                    sa.update(jobs)
+                    .where(where, jobs.c.state == row.state)
+                    .values(state=target.value, message=message, updated_at=self._clock.now())
+                    .returning(jobs)
+                )
+            ).first()
+            if updated is None:
+                # Someone else moved it between our read and our write: judge again against theirs.
+                return await work(conn)
+            return rows.job(updated)
+
+        return await self._db.write(work)
+
+    async def delete_job(self, job_id: str) -> int:
+        """Delete a final job with everything it owns; return the blob bytes freed."""
+
+        async def work(conn: AsyncConnection) -> set[str]:
+            row = await self._fetch_one(conn, sa.select(jobs).where(jobs.c.job_id == job_id), f"job {job_id}")
+            if not is_final(JobState(row.state)):
+                raise FailedPrecondition(f"job {job_id} is {row.state}: abort it before deleting it")
+            referenced = await _blobs_of_job(conn, job_id)
+            if row.initial_model_sha256:
+                referenced.add(row.initial_model_sha256)
+            # Foreign keys cascade to runs, tasks, targets, assignments, results, checkpoints, events.
+            await conn.execute(sa.delete(jobs).where(jobs.c.job_id == job_id))
+            return referenced
+
+        candidates = await self._db.write(work)
+        return await self._blob_store.delete_if_unreferenced(candidates)
+
+    # ---- runs ----
+    async def create_run(self, job_id: str, *, owner: str, now: datetime, lease: timedelta) -> Run:
+        """Start a run of a job, driven by ``owner`` under a lease."""
+        values = {
+            "run_id": new_id(),
+            "job_id": job_id,
+            "state": RunState.RUNNING.value,
+            "owner": owner,
+            "owner_lease_expires_at": now + lease,
+            "round": 0,
+            "global_model_sha256": None,
+            "metrics_json": "[]",
+            "message": "",
+            "created_at": now,
+            "updated_at": now,
+        }
+
+        async def work(conn: AsyncConnection) -> Run:
+            await self._fetch_one(
+                conn, sa.select(jobs.c.job_id).where(jobs.c.job_id == job_id), f"job {job_id}"
+            )
+            return rows.run((await conn.execute(sa.insert(runs).values(values).returning(runs))).one())
+
+        return await self._db.write(work)
+
+    async def get_run(self, run_id: str) -> Run:
+        """Return a run; NotFound if unknown."""
+        async with self._db.read() as conn:
+            row = await self._fetch_one(conn, sa.select(runs).where(runs.c.run_id == run_id), f"run {run_id}")
+        return rows.run(row)
+
+    async def get_current_run(self, job_id: str) -> Run:
+        """Return the job's latest run; NotFound if it has none."""
+        query = (
+            sa.select(runs)
+            .where(runs.c.job_id == job_id)
+            .order_by(runs.c.created_at.desc(), runs.c.run_id.desc())
+            .limit(1)
+        )
+        async with self._db.read() as conn:
+            row = await self._fetch_one(conn, query, f"a run of job {job_id}")
+        return rows.run(row)
+
+    async def acquire_run_lease(self, run_id: str, *, owner: str, now: datetime, lease: timedelta) -> Run:
+        """Take or renew the lease to drive a run; RunLeaseHeld if another owner's lease holds."""
+
+        async def work(conn: AsyncConnection) -> Run:
+            free = sa.or_(
+                runs.c.owner.is_(None),
+                runs.c.owner == owner,
+                runs.c.owner_lease_expires_at <= now,
+            )
+            updated = (
+                await conn.execute(
+                    sa.update(runs)
+                    .where(runs.c.run_id == run_id, free)
+                    .values(owner=owner, owner_lease_expires_at=now + lease, updated_at=now)
+                    .returning(runs)
+                )
+            ).first()
+            if updated is not None:
+                return rows.run(updated)
+            row = await self._fetch_one(conn, sa.select(runs).where(runs.c.run_id == run_id), f"run {run_id}")
+            raise RunLeaseHeld(run_id, row.owner)
+
+        return await self._db.write(work)
+
+    async def finish_run(self, run_id: str, target: RunState, message: str = "") -> Run:
+        """Move a run to a final state; IllegalTransition if it has ended already."""
+
+        async def work(conn: AsyncConnection) -> Run:
+            row = await self._fetch_one(conn, sa.select(runs).where(runs.c.run_id == run_id), f"run {run_id}")
+            transition_run(RunState(row.state), target)
+            updated = await conn.execute(
+                sa.update(runs)
+                .where(runs.c.run_id == run_id)
+                .values(state=target.value, message=message, owner=None, updated_at=self._clock.now())
+                .returning(runs)
+            )
+            return rows.run(updated.one())
+
+        return await self._db.write(work)
+
+    async def save_checkpoint(
+        self, run_id: str, round: int, model_sha256: str, metrics_json: str, *, keep_last: int
+    ) -> Checkpoint:
+        """Record a round's model and metrics on the run; keep only the last ``keep_last`` checkpoints.
+
+        The run itself points at the newest model, so the final model outlives the pruning.
+        """
+        if keep_last < 1:
+            raise InvalidArgument(f"keep_last must be >= 1, got {keep_last}")
+        now = self._clock.now()
+
+        async def work(conn: AsyncConnection) -> Checkpoint:
+            where = runs.c.run_id == run_id
+            await self._fetch_one(conn, sa.select(runs.c.run_id).where(where), f"run {run_id}")
+            await conn.execute(
+                sa.delete(checkpoints).where(checkpoints.c.run_id == run_id, checkpoints.c.round == round)
+            )
+            saved = await conn.execute(
+                sa.insert(checkpoints)
+                .values(
+                    run_id=run_id,
+                    round=round,
+                    model_sha256=model_sha256,
+                    metrics_json=metrics_json,
+                    created_at=now,
+                )
+                .returning(checkpoints)
+            )
+            await conn.execute(
+                sa.update(runs)
+                .where(where)
+                .values(
+                    round=round, global_model_sha256=model_sha256, metrics_json=metrics_json, updated_at=now
+                )
+            )
+            newest = (
+                (
+                    await conn.execute(
+                        sa.select(checkpoints.c.round)
+                        .where(checkpoints.c.run_id == run_id)
+                        .order_by(checkpoints.c.round.desc())
+                        .limit(keep_last)
+                    )
+                )
+                .scalars()
+                .all()
+            )
+            await conn.execute(
+                sa.delete(checkpoints).where(
+                    checkpoints.c.run_id == run_id, checkpoints.c.round.not_in(list(newest))
+                )
+            )
+            return rows.checkpoint(saved.one())
+
+        return await self._db.write(work)
+
+    async def list_checkpoints(self, run_id: str) -> Sequence[Checkpoint]:
+        """Return a run's kept checkpoints, oldest round first."""
+        query = sa.select(checkpoints).where(checkpoints.c.run_id == run_id).order_by(checkpoints.c.round)
+        async with self._db.read() as conn:
+            return [rows.checkpoint(r) for r in (await conn.execute(query)).all()]
+
+    # ---- events ----
+    async def append_job_event(self, job_id: str, kind: str, payload_json: str) -> JobEvent:
+        """Append a progress event to a job.
+
+        Sequences are max + 1 per job under the primary key, so they rise in commit order: a watcher
+        reading "after N" never misses an event that committed late with a smaller number.
+        """
+        now = self._clock.now()
+
+        async def work(conn: AsyncConnection) -> JobEvent:
+            await self._fetch_one(
+                conn, sa.select(jobs.c.job_id).where(jobs.c.job_id == job_id), f"job {job_id}"
+            )
+            while True:
+                last = (
+                    await conn.execute(
+                        sa.select(sa.func.coalesce(sa.func.max(job_events.c.sequence), 0)).where(
+                            job_events.c.job_id == job_id
+                        )
+                    )
+                ).scalar_one()
+                inserted = (
+                    await conn.execute(
+                        self._db.insert_ignore(job_events)
+                        .values(
+                            job_id=job_id, sequence=last + 1, time=now, kind=kind, payload_json=payload_json
+                        )
+                        .returning(job_events)
+                    )
+                ).first()
+                if inserted is not None:
+                    return rows.job_event(inserted)
+
+        return await self._db.write(work)
+
+    async def list_job_events(
+        self, job_id: str, *, after_sequence: int = 0, limit: int = 1000
+    ) -> Sequence[JobEvent]:
+        """Return a job's events after ``after_sequence``, in order."""
+        query = (
+            sa.select(job_events)
+            .where(job_events.c.job_id == job_id, job_events.c.sequence > after_sequence)
+            .order_by(job_events.c.sequence)
+            .limit(limit)
+        )
+        async with self._db.read() as conn:
+            found = [rows.job_event(r) for r in (await conn.execute(query)).all()]
+            if not found:
+                await self._fetch_one(
+                    conn, sa.select(jobs.c.job_id).where(jobs.c.job_id == job_id), f"job {job_id}"
+                )
+        return found
+
+
+async def _blobs_of_job(conn: AsyncConnection, job_id: str) -> set[str]:
+    """Every blob a job's runs, tasks, results and checkpoints point at."""
+    queries = [
+        sa.select(runs.c.global_model_sha256).where(runs.c.job_id == job_id),
+        sa.select(tasks.c.payload_sha256).where(tasks.c.job_id == job_id),
+        sa.select(results.c.payload_sha256)
+        .join(tasks, tasks.c.task_id == results.c.task_id)
+        .where(tasks.c.job_id == job_id),
+        sa.select(checkpoints.c.model_sha256)
+        .join(runs, runs.c.run_id == checkpoints.c.run_id)
+        .where(runs.c.job_id == job_id),
+    ]
+    found: set[str] = set()
+    for query in queries:
+        found.update(sha for sha in (await conn.execute(query)).scalars() if sha)
+    return found

@@ -1,0 +1,277 @@
+"""The store's tables (SQLAlchemy Core), with a constraint naming convention Alembic can rely on.
+
+The hot path (claims) inserts assignment rows and never updates a shared queue row: a task's free
+slots are enforced by a partial unique index over the active assignments, which both SQLite and
+PostgreSQL support.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Dialect
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class UtcDateTime(sa.TypeDecorator[datetime]):
+    """A timezone-aware UTC datetime on every backend (SQLite keeps naive UTC text that sorts right)."""
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("fedlink stores only timezone-aware datetimes")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        assert isinstance(value, datetime)
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def _id(name: str, *args: Any, **kwargs: Any) -> sa.Column[str]:
+    return sa.Column(name, sa.String(32), *args, **kwargs)
+
+
+def _sha(name: str, nullable: bool = True) -> sa.Column[str]:
+    return sa.Column(name, sa.String(64), nullable=nullable)
+
+
+def _state(name: str = "state") -> sa.Column[str]:
+    return sa.Column(name, sa.String(16), nullable=False)
+
+
+def _time(name: str, nullable: bool = False) -> sa.Column[datetime]:
+    return sa.Column(name, UtcDateTime(), nullable=nullable)
+
+
+def _cascade(target: str) -> sa.ForeignKey:
+    return sa.ForeignKey(target, ondelete="CASCADE")
+
+
+devices = sa.Table(
+    "devices",
+    metadata,
+    _id("device_id", primary_key=True),
+    _sha("credential_hash", nullable=False),
+    sa.Column("device_info", sa.Text(), nullable=False),
+    sa.Column("user_info", sa.Text(), nullable=False),
+    _state(),
+    _time("enrolled_at"),
+    _time("last_seen"),
+    sa.UniqueConstraint("credential_hash"),
+    sa.Index(None, "enrolled_at", "device_id"),
+    sa.Index(None, "last_seen"),
+)
+
+jobs = sa.Table(
+    "jobs",
+    metadata,
+    _id("job_id", primary_key=True),
+    sa.Column("name", sa.String(200), nullable=False),
+    _state(),
+    sa.Column("spec_json", sa.Text(), nullable=False),
+    sa.Column("job_data", sa.Text(), nullable=False),
+    _sha("initial_model_sha256"),
+    sa.Column("device_selector", sa.Text(), nullable=False),
+    sa.Column("message", sa.Text(), nullable=False),
+    _time("created_at"),
+    _time("updated_at"),
+    sa.Index(None, "created_at", "job_id"),
+)
+
+runs = sa.Table(
+    "runs",
+    metadata,
+    _id("run_id", primary_key=True),
+    _id("job_id", _cascade("jobs.job_id"), nullable=False),
+    _state(),
+    sa.Column("owner", sa.String(200), nullable=True),
+    _time("owner_lease_expires_at", nullable=True),
+    sa.Column("round", sa.Integer(), nullable=False),
+    _sha("global_model_sha256"),
+    sa.Column("metrics_json", sa.Text(), nullable=False),
+    sa.Column("message", sa.Text(), nullable=False),
+    _time("created_at"),
+    _time("updated_at"),
+    sa.Index(None, "job_id", "created_at"),
+)
+
+tasks = sa.Table(
+    "tasks",
+    metadata,
+    _id("task_id", primary_key=True),
+    _id("job_id", _cascade("jobs.job_id"), nullable=False),
+    _id("run_id", _cascade("runs.run_id"), nullable=False),
+    sa.Column("round", sa.Integer(), nullable=False),
+    sa.Column("name", sa.String(200), nullable=False),
+    _sha("payload_sha256"),
+    _time("deadline"),
+    sa.Column("slots", sa.Integer(), nullable=False),
+    sa.Column("targeted", sa.Boolean(), nullable=False),
+    _state(),
+    _time("created_at"),
+    sa.CheckConstraint("slots >= 1", name="slots_positive"),
+    sa.Index(None, "run_id", "round"),
+    # Claims look for the oldest OPEN task of a job; closed tasks drop out of this index.
+    sa.Index(
+        "ix_tasks_open_job_created",
+        "job_id",
+        "created_at",
+        sqlite_where=sa.text("state = 'OPEN'"),
+        postgresql_where=sa.text("state = 'OPEN'"),
+    ),
+)
+
+task_targets = sa.Table(
+    "task_targets",
+    metadata,
+    _id("task_id", _cascade("tasks.task_id"), primary_key=True),
+    _id("device_id", primary_key=True),
+)
+
+_ACTIVE = sa.text("state IN ('LEASED', 'COMPLETED')")
+_LEASED = sa.text("state = 'LEASED'")
+
+assignments = sa.Table(
+    "assignments",
+    metadata,
+    _id("assignment_id", primary_key=True),
+    _id("task_id", _cascade("tasks.task_id"), nullable=False),
+    # Denormalised from the task so re-delivery finds a device's lease in a job without a join.
+    _id("job_id", nullable=False),
+    # No foreign key to devices: the claim path stays one index probe lighter, and devices are
+    # never deleted (only revoked).
+    _id("device_id", nullable=False),
+    sa.Column("slot", sa.Integer(), nullable=False),
+    _state(),
+    _time("lease_expires_at"),
+    _time("created_at"),
+    sa.UniqueConstraint("task_id", "device_id"),
+    # The database itself refuses a task more active holders than it has slots.
+    sa.Index(
+        "uq_assignments_active_task_slot",
+        "task_id",
+        "slot",
+        unique=True,
+        sqlite_where=_ACTIVE,
+        postgresql_where=_ACTIVE,
+    ),
+    sa.Index(
+        "ix_assignments_leased_device_job",
+        "device_id",
+        "job_id",
+        sqlite_where=_LEASED,
+        postgresql_where=_LEASED,
+    ),
+    sa.Index(
+        "ix_assignments_leased_expiry",
+        "lease_expires_at",
+        sqlite_where=_LEASED,
+        postgresql_where=_LEASED,
+    ),
+)
+
+results = sa.Table(
+    "results",
+    metadata,
+    _id("result_id", primary_key=True),
+    _id("assignment_id", _cascade("assignments.assignment_id"), nullable=False),
+    _id("task_id", _cascade("tasks.task_id"), nullable=False),
+    _id("device_id", nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),
+    _sha("payload_sha256"),
+    sa.Column("report_digest", sa.String(128), nullable=False),
+    sa.Column("error_message", sa.Text(), nullable=False),
+    sa.Column("accepted", sa.Boolean(), nullable=False),
+    sa.Column("stale", sa.Boolean(), nullable=False),
+    sa.Column("request_id", sa.String(128), nullable=False),
+    _time("created_at"),
+    sa.UniqueConstraint("assignment_id"),
+    sa.Index(None, "task_id", "device_id"),
+)
+
+blobs = sa.Table(
+    "blobs",
+    metadata,
+    _sha("sha256", nullable=False),
+    sa.Column("size_bytes", sa.BigInteger(), nullable=False),
+    _time("created_at"),
+    sa.PrimaryKeyConstraint("sha256"),
+)
+
+blob_uploads = sa.Table(
+    "blob_uploads",
+    metadata,
+    sa.Column("upload_key", sa.String(80), primary_key=True),
+    # The hash the uploader announced; NULL for a stream whose hash is known only at the end.
+    _sha("sha256"),
+    sa.Column("size_bytes", sa.BigInteger(), nullable=True),
+    sa.Column("received_bytes", sa.BigInteger(), nullable=False),
+    _time("created_at"),
+)
+
+# Only the database blob backend fills this; a committed blob's chunks are keyed by its sha256, an
+# upload's by its upload key.
+blob_chunks = sa.Table(
+    "blob_chunks",
+    metadata,
+    sa.Column("blob_key", sa.String(80), primary_key=True),
+    sa.Column("offset", sa.BigInteger(), primary_key=True),
+    sa.Column("size", sa.Integer(), nullable=False),
+    sa.Column("data", sa.LargeBinary(), nullable=False),
+)
+
+checkpoints = sa.Table(
+    "checkpoints",
+    metadata,
+    _id("run_id", _cascade("runs.run_id"), primary_key=True),
+    sa.Column("round", sa.Integer(), primary_key=True),
+    _sha("model_sha256", nullable=False),
+    sa.Column("metrics_json", sa.Text(), nullable=False),
+    _time("created_at"),
+)
+
+job_events = sa.Table(
+    "job_events",
+    metadata,
+    _id("job_id", _cascade("jobs.job_id"), primary_key=True),
+    sa.Column("sequence", sa.BigInteger(), primary_key=True, autoincrement=False),
+    _time("time"),
+    sa.Column("kind", sa.String(64), nullable=False),
+    sa.Column("payload_json", sa.Text(), nullable=False),
+)
+
+idempotency_records = sa.Table(
+    "idempotency_records",
+    metadata,
+    sa.Column("scope", sa.String(64), primary_key=True),
+    sa.Column("request_id", sa.String(128), primary_key=True),
+    sa.Column("reply", sa.LargeBinary(), nullable=False),
+    _time("created_at"),
+    sa.Index(None, "created_at"),
+)
+
+signing_keys = sa.Table(
+    "signing_keys",
+    metadata,
+    sa.Column("key_id", sa.String(64), primary_key=True),
+    sa.Column("key_bytes", sa.LargeBinary(), nullable=False),
+    _time("created_at"),
+)
