@@ -129,20 +129,22 @@ class NumpyTrainer(ABC):
             for start in range(0, n, self.batch_size):
                 abort_signal.check()
                 batch = order[start : start + self.batch_size]
-                loss, grads = self._loss_and_grads(params, x[batch], y[batch])
+                # A diverging run overflows; it is reported below as an error, not as warnings.
+                with np.errstate(over="ignore", invalid="ignore"):
+                    loss, grads = self._loss_and_grads(params, x[batch], y[batch])
+                if not math.isfinite(loss):
+                    raise InvalidArgument(
+                        f"training diverged (loss {loss} at step {steps} of epoch {epoch}); lower "
+                        f"learning_rate (now {self.learning_rate}) or scale the inputs"
+                    )
                 for name, grad in grads.items():
                     if self.mu > 0.0:
                         grad += dtype.type(self.mu) * (params[name] - global_params[name])
                     params[name] -= dtype.type(self.learning_rate) * grad
                 total += loss * len(batch)
                 steps += 1
-            epoch_loss = total / n
-            if not math.isfinite(epoch_loss):
-                raise InvalidArgument(
-                    f"training diverged (loss {epoch_loss} in epoch {epoch}); lower learning_rate "
-                    f"(now {self.learning_rate}) or scale the inputs"
-                )
-            ctx.fire_event(EventType.LOSS_GENERATED, {"loss": epoch_loss, "epoch": epoch, "iter": steps})
+            event = {"loss": total / n, "epoch": epoch, "iter": steps}
+            ctx.fire_event(EventType.LOSS_GENERATED, event)
 
         meta: dict[str, MetaValue] = {MetaKey.NUM_EXAMPLES: n, MetaKey.NUM_STEPS_CURRENT_ROUND: steps}
         meta.update(self._metrics(params, x, y, "train_"))
