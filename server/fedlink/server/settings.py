@@ -1,0 +1,504 @@
+"""The coordinator's settings, built once from defaults < TOML file < ``FEDLINK_*`` environment < flags.
+
+There is no global settings object: the CLI calls :func:`load_settings` once and passes the result to
+the coordinator, and tests construct :class:`CoordinatorSettings` directly.
+
+Everything lives under one data directory by default (``$XDG_DATA_HOME/fedlink``, else
+``~/.local/share/fedlink``): the SQLite database, the blobs, the self-signed TLS material, the join
+secret and the admin token. A per-user location (rather than one relative to the working directory)
+lets ``fedlink job ...`` find the admin token wherever it is run from; a system service sets
+``FEDLINK_DATA_DIR=/var/lib/fedlink``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import logging
+import math
+import os
+import re
+import sys
+import tomllib
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from functools import cache
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from fedlink.common.errors import InvalidArgument
+
+#: Prefix of the environment variables that set coordinator settings (``FEDLINK_DB_URL``, ...).
+ENV_PREFIX: Final = "FEDLINK_"
+
+LogFormat = Literal["console", "json"]
+LoopKind = Literal["auto", "uvloop", "asyncio"]
+
+# Identity-checked stand-in for "derive from data_dir": no caller can pass this very object.
+_DERIVED_PATH: Final = Path("<derived from data_dir>")
+_URL_PASSWORD: Final = re.compile(r"(://[^:/@]*:)[^@]*@")
+
+
+def default_data_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """The per-user data directory: ``$XDG_DATA_HOME/fedlink``, else ``~/.local/share/fedlink``.
+
+    Args:
+        environ: The environment to read ``XDG_DATA_HOME`` and ``HOME`` from (default: the process's).
+    """
+    env = os.environ if environ is None else environ
+    xdg = env.get("XDG_DATA_HOME", "")
+    if xdg and Path(xdg).is_absolute():  # The XDG spec says to ignore relative values.
+        return Path(xdg) / "fedlink"
+    home = env.get("HOME", "")
+    return (Path(home) if home else Path.home()) / ".local" / "share" / "fedlink"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorSettings:
+    """Everything ``fedlink serve`` can be told; each field is also ``FEDLINK_<NAME>`` and a flag."""
+
+    data_dir: Path = field(default_factory=default_data_dir)
+    """Directory holding the SQLite database, blobs, TLS material, join secret and admin token."""
+
+    db_url: str = field(default="", repr=False)  # may hold a password: see redacted_db_url
+    """SQLAlchemy URL of the state store; empty means the SQLite file ``<data_dir>/fedlink.db``."""
+
+    blob_dir: Path = _DERIVED_PATH
+    """Directory of the content-addressed blob store (default ``<data_dir>/blobs``)."""
+
+    listen_address: str = "127.0.0.1:8443"
+    """``host:port`` the gRPC server binds; use ``0.0.0.0:8443`` to accept devices from other hosts."""
+
+    insecure: bool = False
+    """Serve plaintext gRPC, without TLS. Only for tests and trusted networks."""
+
+    tls_cert: Path | None = None
+    """PEM server certificate (chain); without it a self-signed CA and certificate are made in data_dir."""
+
+    tls_key: Path | None = None
+    """PEM private key of ``tls_cert``; given together with it."""
+
+    tls_client_ca: Path | None = None
+    """PEM CA bundle; when given, every client must present a certificate it signed (mutual TLS)."""
+
+    tls_hostnames: tuple[str, ...] = ("localhost", "127.0.0.1")
+    """DNS names and IP addresses the self-signed certificate is valid for (comma-separated in env)."""
+
+    open_enrolment: bool = False
+    """Let any device enrol without the join secret."""
+
+    join_secret: str | None = field(default=None, repr=False)
+    """Secret a device presents to enrol; unset: read or create ``<data_dir>/join-secret`` (0600)."""
+
+    admin_token: str | None = field(default=None, repr=False)
+    """Operator credential for ControlService; unset: read or create ``<data_dir>/admin-token`` (0600)."""
+
+    metrics_address: str | None = None
+    """``host:port`` of the Prometheus ``/metrics`` endpoint (e.g. ``127.0.0.1:9464``); unset: none."""
+
+    log_format: LogFormat = "console"
+    """Log output: ``console`` (readable lines) or ``json`` (one object per line)."""
+
+    log_level: str = "INFO"
+    """Threshold of the coordinator's log: DEBUG, INFO, WARNING, ERROR or CRITICAL."""
+
+    loop: LoopKind = "auto"
+    """Event loop: ``auto`` (uvloop when installed), ``uvloop`` (required) or ``asyncio``."""
+
+    shutdown_grace: timedelta = timedelta(seconds=10)
+    """On SIGTERM, how long in-flight calls may take to finish before they are cancelled."""
+
+    max_task_wait: timedelta = timedelta(seconds=30)
+    """Upper bound on how long a GetTask long poll is held, whatever the device asks for."""
+
+    default_task_wait: timedelta = timedelta(seconds=20)
+    """How long a GetTask long poll is held when the device does not say."""
+
+    lease: timedelta = timedelta(minutes=5)
+    """How long a device holds an assignment before it expires and goes to another device."""
+
+    device_offline_after: timedelta = timedelta(minutes=2)
+    """A device not seen for this long goes OFFLINE and is no longer sampled."""
+
+    max_message_bytes: int = 64 * 1024**2
+    """Largest gRPC message accepted or sent; bigger payloads travel as chunked blobs."""
+
+    inline_payload_bytes: int = 2 * 1024**2
+    """Tasks whose model is larger than this carry a blob reference instead of the model itself."""
+
+    reaper_interval: timedelta = timedelta(seconds=1)
+    """How often expired leases, closed deadlines and offline devices are swept."""
+
+    keep_checkpoints: int = 3
+    """Round checkpoints kept per run besides the final model."""
+
+    auto_migrate: bool | None = None
+    """Apply pending schema migrations at start; unset: yes for SQLite, no for other databases."""
+
+    def __post_init__(self) -> None:
+        # Derived defaults are filled here so that a built settings object is complete and explicit.
+        data_dir = Path(self.data_dir).expanduser()
+        object.__setattr__(self, "data_dir", data_dir)
+        if not self.db_url:
+            object.__setattr__(self, "db_url", f"sqlite+aiosqlite:///{data_dir / 'fedlink.db'}")
+        if self.blob_dir is _DERIVED_PATH:
+            object.__setattr__(self, "blob_dir", data_dir / "blobs")
+        object.__setattr__(self, "log_level", self.log_level.upper())
+        if self.auto_migrate is None:
+            object.__setattr__(self, "auto_migrate", self.db_url.startswith("sqlite"))
+        _validate(self)
+
+    @property
+    def redacted_db_url(self) -> str:
+        """``db_url`` with any password replaced by ``***``, for logs and messages."""
+        return _URL_PASSWORD.sub(r"\1***@", self.db_url)
+
+    @property
+    def join_secret_file(self) -> Path:
+        """Where the generated join secret is kept."""
+        return self.data_dir / "join-secret"
+
+    @property
+    def admin_token_file(self) -> Path:
+        """Where the generated admin token is kept (``fedlink job ...`` reads it by default)."""
+        return self.data_dir / "admin-token"
+
+    @property
+    def tls_dir(self) -> Path:
+        """Where the self-signed CA and server certificate are kept."""
+        return self.data_dir / "tls"
+
+
+def _validate(s: CoordinatorSettings) -> None:
+    _validate_serving(s)
+    _validate_limits(s)
+
+
+def _validate_serving(s: CoordinatorSettings) -> None:
+    split_address(s.listen_address, what="listen_address")
+    if s.metrics_address is not None:
+        split_address(s.metrics_address, what="metrics_address")
+    if (s.tls_cert is None) != (s.tls_key is None):
+        raise InvalidArgument("tls_cert and tls_key go together: give both, or neither for a self-signed one")
+    if s.insecure and (s.tls_cert is not None or s.tls_client_ca is not None):
+        raise InvalidArgument("insecure cannot be combined with tls_cert/tls_key/tls_client_ca")
+    if s.log_format not in typing.get_args(LogFormat):
+        raise InvalidArgument(f"log_format must be console or json, not {s.log_format!r}")
+    if s.loop not in typing.get_args(LoopKind):
+        raise InvalidArgument(f"loop must be auto, uvloop or asyncio, not {s.loop!r}")
+    if not isinstance(logging.getLevelNamesMapping().get(s.log_level.upper()), int):
+        raise InvalidArgument(
+            f"log_level must be DEBUG, INFO, WARNING, ERROR or CRITICAL, not {s.log_level!r}"
+        )
+    if not s.tls_hostnames:
+        raise InvalidArgument("tls_hostnames needs at least one name")
+
+
+def _validate_limits(s: CoordinatorSettings) -> None:
+    for name in ("shutdown_grace", "max_task_wait", "default_task_wait", "lease", "device_offline_after"):
+        if getattr(s, name) < timedelta(0):
+            raise InvalidArgument(f"{name} must not be negative")
+    if s.reaper_interval <= timedelta(0):
+        raise InvalidArgument("reaper_interval must be positive")
+    if s.default_task_wait > s.max_task_wait:
+        raise InvalidArgument(
+            f"default_task_wait ({s.default_task_wait}) must not exceed max_task_wait ({s.max_task_wait})"
+        )
+    if s.max_message_bytes < 64 * 1024:
+        raise InvalidArgument("max_message_bytes must be at least 64KiB")
+    if not 0 < s.inline_payload_bytes <= s.max_message_bytes:
+        raise InvalidArgument("inline_payload_bytes must be positive and at most max_message_bytes")
+    if s.keep_checkpoints < 0:
+        raise InvalidArgument("keep_checkpoints must not be negative")
+
+
+def split_address(address: str, *, what: str = "address") -> tuple[str, int]:
+    """Splits ``host:port`` (``[v6]:port`` for IPv6) into host and port; port 0 asks for a free one.
+
+    Raises:
+        InvalidArgument: the text is not ``host:port`` with a port in 0..65535.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise InvalidArgument(f"{what} must be host:port (e.g. 127.0.0.1:8443), not {address!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+# ---- parsing of durations and sizes ------------------------------------------------------------------
+
+_DURATION_UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION_PART: Final = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_SIZE: Final = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?", re.IGNORECASE)
+_SIZE_PREFIX: Final = {"k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_duration(value: object) -> timedelta:
+    """Reads a duration: ``"250ms"``, ``"30s"``, ``"5m"``, ``"1h30m"``, ``"2d"``, or a number of seconds.
+
+    Raises:
+        InvalidArgument: the value is not a duration, or is negative or not finite.
+    """
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if not math.isfinite(value) or value < 0:
+            raise InvalidArgument(f"a duration must be a finite number of seconds ≥ 0, not {value!r}")
+        return timedelta(seconds=value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        try:
+            return parse_duration(float(text))
+        except ValueError:
+            pass
+        parts = _DURATION_PART.findall(text)
+        if parts and "".join(n + u for n, u in parts) == text:
+            return timedelta(seconds=sum(float(n) * _DURATION_UNITS[u] for n, u in parts))
+    raise InvalidArgument(f"not a duration: {value!r} (examples: 250ms, 30s, 5m, 1h, or seconds as a number)")
+
+
+def parse_size(value: object) -> int:
+    """Reads a size in bytes: ``"64MiB"``, ``"2MB"`` (10**6), ``"512KiB"``, ``"1GiB"``, or a number.
+
+    Raises:
+        InvalidArgument: the value is not a size, or is negative or fractional in bytes.
+    """
+    number: float
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str) and (match := _SIZE.fullmatch(value.strip())):
+        unit = (match.group(2) or "b").lower()
+        factor = 1 if unit == "b" else (1024 if "i" in unit else 1000) ** _SIZE_PREFIX[unit[0]]
+        number = float(match.group(1)) * factor
+    else:
+        raise InvalidArgument(f"not a size: {value!r} (examples: 64MiB, 2MB, 1048576)")
+    if number < 0 or number != int(number):
+        raise InvalidArgument(f"a size must be a whole, non-negative number of bytes, not {value!r}")
+    return int(number)
+
+
+def _parse_bool(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+    raise InvalidArgument(f"not a boolean: {value!r} (true/false, yes/no, on/off, 1/0)")
+
+
+def _parse_int(value: object) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise InvalidArgument(f"not a whole number: {value!r}")
+
+
+def _parse_str(value: object) -> str:
+    if isinstance(value, str):
+        return value
+    raise InvalidArgument(f"not a string: {value!r}")
+
+
+def _parse_path(value: object) -> Path:
+    if isinstance(value, Path):
+        return value
+    if isinstance(value, str) and value:
+        return Path(value)
+    raise InvalidArgument(f"not a path: {value!r}")
+
+
+def _parse_names(value: object) -> tuple[str, ...]:
+    items: list[object]
+    if isinstance(value, str):
+        items = [part.strip() for part in value.split(",")]
+    elif isinstance(value, list | tuple):
+        items = list(value)
+    else:
+        raise InvalidArgument(f"not a list of names: {value!r}")
+    if not all(isinstance(item, str) and item for item in items):
+        raise InvalidArgument(f"not a list of non-empty names: {value!r}")
+    return tuple(str(item) for item in items)
+
+
+def _choice(options: tuple[str, ...]) -> Callable[[object], str]:
+    def parse(value: object) -> str:
+        if isinstance(value, str) and value.strip().lower() in options:
+            return value.strip().lower()
+        raise InvalidArgument(f"must be one of {', '.join(options)}, not {value!r}")
+
+    return parse
+
+
+def _converter(name: str, hint: object) -> tuple[Callable[[object], object], bool]:
+    """The parser for one field, and whether the field accepts "unset" (None)."""
+    optional = False
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+        optional = True
+    if hint is timedelta:
+        return parse_duration, optional
+    if hint is int:
+        return (parse_size if name.endswith("_bytes") else _parse_int), optional
+    if hint is bool:
+        return _parse_bool, optional
+    if hint is Path:
+        return _parse_path, optional
+    if hint is str:
+        return _parse_str, optional
+    if typing.get_origin(hint) is Literal:
+        return _choice(typing.get_args(hint)), optional
+    if typing.get_origin(hint) is tuple:
+        return _parse_names, optional
+    raise TypeError(f"no parser for setting {name}: {hint!r}")  # a new field type needs one here
+
+
+@cache
+def _converters() -> Mapping[str, tuple[Callable[[object], object], bool]]:
+    hints = typing.get_type_hints(CoordinatorSettings)
+    return {f.name: _converter(f.name, hints[f.name]) for f in dataclasses.fields(CoordinatorSettings)}
+
+
+def setting_names() -> tuple[str, ...]:
+    """The names of every setting, in declaration order."""
+    return tuple(_converters())
+
+
+def env_var(name: str) -> str:
+    """The environment variable of setting ``name`` (``lease`` -> ``FEDLINK_LEASE``)."""
+    return ENV_PREFIX + name.upper()
+
+
+@cache
+def setting_docs() -> Mapping[str, str]:
+    """The docstring of each setting (for ``fedlink serve --help``), read from this module's source."""
+    tree = ast.parse(inspect.getsource(sys.modules[__name__]))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CoordinatorSettings")
+    docs: dict[str, str] = {}
+    for stmt, after in zip(cls.body, cls.body[1:], strict=False):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[stmt.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+# ---- loading ----------------------------------------------------------------------------------------
+
+
+def _convert(name: str, value: object, source: str) -> object:
+    converters = _converters()
+    if name not in converters:
+        raise InvalidArgument(f"{source}: unknown setting {name!r}; known: {', '.join(converters)}")
+    parse, optional = converters[name]
+    if value is None or (optional and value == ""):
+        if optional:
+            return None
+        raise InvalidArgument(f"{source}: {name} needs a value")
+    try:
+        return parse(value)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{source}: {name}: {exc.message}") from None
+
+
+def _read_config_file(path: Path) -> dict[str, object]:
+    try:
+        with path.open("rb") as file:
+            document = tomllib.load(file)
+    except FileNotFoundError:
+        raise InvalidArgument(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidArgument(f"config file {path} is not valid TOML: {exc}") from None
+    source = f"config file {path}"
+    table: dict[str, Any] = document
+    if "serve" in document:
+        table = document["serve"]
+        if not isinstance(table, dict):
+            raise InvalidArgument(f"{source}: 'serve' must be a table ([serve])")
+        # Other tables may belong to other commands; loose keys beside [serve] are a mistake.
+        loose = [key for key, value in document.items() if key != "serve" and not isinstance(value, dict)]
+        if loose:
+            raise InvalidArgument(f"{source}: {', '.join(loose)} must go under [serve]")
+        source += " [serve]"
+    values: dict[str, object] = {}
+    for name, raw in table.items():
+        value = _convert(name, raw, source)
+        # Relative paths in a file are relative to the file, so it works from any directory.
+        if isinstance(value, Path) and not value.expanduser().is_absolute():
+            value = path.parent / value
+        values[name] = value
+    return values
+
+
+def _read_environment(environ: Mapping[str, str]) -> dict[str, object]:
+    values: dict[str, object] = {}
+    for name in _converters():
+        key = env_var(name)
+        if key in environ:
+            values[name] = _convert(name, environ[key], f"environment variable {key}")
+    return values
+
+
+def load_settings(
+    *,
+    config_file: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> CoordinatorSettings:
+    """Builds the settings: defaults < TOML file < ``FEDLINK_*`` environment < ``overrides``.
+
+    Args:
+        config_file: A TOML file with a ``[serve]`` table, or the settings as top-level keys.
+        environ: The environment to read ``FEDLINK_<SETTING>`` variables from (unknown ``FEDLINK_*``
+            variables are left alone: the runner and tests have their own); default: none.
+        overrides: Values from command-line flags, by setting name; ``None`` means "not given". Strings
+            are parsed like environment values.
+
+    Raises:
+        InvalidArgument: an unknown key or a bad value, naming the key and where it came from.
+    """
+    env = {} if environ is None else environ
+    values: dict[str, object] = {}
+    if config_file is not None:
+        values.update(_read_config_file(config_file))
+    values.update(_read_environment(env))
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            values[name] = _convert(name, value, f"option --{name.replace('_', '-')}")
+    if "data_dir" not in values:
+        values["data_dir"] = default_data_dir(env)
+    try:
+        return CoordinatorSettings(**values)  # type: ignore[arg-type]  # each value was converted per field
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"invalid settings: {exc.message}") from None
+
+
+__all__ = [
+    "ENV_PREFIX",
+    "CoordinatorSettings",
+    "LogFormat",
+    "LoopKind",
+    "default_data_dir",
+    "env_var",
+    "load_settings",
+    "parse_duration",
+    "parse_size",
+    "setting_docs",
+    "setting_names",
+    "split_address",
+]
