@@ -1,0 +1,74 @@
+"""Job progress events: stored in order, and pushed to watchers as they happen."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from fedlink.server.domain import Job, JobEvent, JobState, is_final
+from fedlink.server.store import StateStore
+
+#: The event that reports a job's state change; its payload has "state" and "message".
+JOB_STATE_CHANGED = "job_state_changed"
+
+
+class JobEvents:
+    """Appends job events to the store and wakes whoever watches the job."""
+
+    def __init__(self, store: StateStore) -> None:
+        self._store = store
+        self._wakeups: dict[str, asyncio.Event] = {}
+
+    async def emit(self, job: Job, kind: str, round: int, payload: Mapping[str, Any]) -> None:
+        """Records an event of ``job`` and wakes its watchers."""
+        body = {"round": round, **payload}
+        await self._store.append_job_event(job.job_id, kind, json.dumps(body, sort_keys=True))
+        self.wake(job.job_id)
+
+    async def state_changed(self, job: Job, state: JobState, message: str = "") -> None:
+        """Records that ``job`` moved to ``state``."""
+        await self.emit(job, JOB_STATE_CHANGED, 0, {"state": state.value, "message": message})
+
+    def wake(self, job_id: str) -> None:
+        """Wakes the watchers of ``job_id``."""
+        event = self._wakeups.pop(job_id, None)
+        if event is not None:
+            event.set()
+
+    async def watch(
+        self, job_id: str, *, after_sequence: int = 0, poll_seconds: float = 1.0
+    ) -> AsyncIterator[JobEvent]:
+        """Yields the job's events after ``after_sequence`` as they come, until the job is final.
+
+        Polls the store as well as waiting for wake-ups, so events written by another coordinator
+        replica are seen too.
+        """
+        cursor = after_sequence
+        while True:
+            event = self._wakeups.get(job_id)
+            if event is None:
+                event = self._wakeups[job_id] = asyncio.Event()
+            batch = await self._store.list_job_events(job_id, after_sequence=cursor)
+            for item in batch:
+                cursor = item.sequence
+                yield item
+                if item.kind == JOB_STATE_CHANGED and is_final(
+                    JobState(json.loads(item.payload_json)["state"])
+                ):
+                    return
+            if not batch:
+                job = await self._store.get_job(job_id)
+                if is_final(job.state):
+                    return  # final without a stored state event (e.g. deleted history): nothing more
+                try:
+                    async with asyncio.timeout(poll_seconds):
+                        await event.wait()
+                except TimeoutError:
+                    pass
+
+
+def event_state(event: JobEvent) -> JobState:
+    """The state a ``job_state_changed`` event reports."""
+    return JobState(json.loads(event.payload_json)["state"])

@@ -1,0 +1,75 @@
+"""What a workflow is, and what the coordinator gives it to drive a run.
+
+A workflow does not have to think in rounds: it gets a context with the store, the clock and a way to
+wait for progress, and runs until its run is done. The coordinator owns the lifecycle (which run is
+driven by whom, restarts, aborts); the workflow owns the run's logic and its checkpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fedlink.server.domain import Clock, Job, Run
+from fedlink.server.protocol.notify import TaskNotifier
+from fedlink.server.store import StateStore
+
+
+class Progress:
+    """Wakes a run's driver when something it waits for may have happened (a result, an expiry)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def poke(self) -> None:
+        """Signals progress."""
+        self._event.set()
+
+    async def wait(self, seconds: float) -> None:
+        """Waits until the next :meth:`poke` or ``seconds``, whichever comes first."""
+        if seconds > 0 and not self._event.is_set():
+            try:
+                async with asyncio.timeout(seconds):
+                    await self._event.wait()
+            except TimeoutError:
+                pass
+        self._event.clear()
+
+
+class EventSink(Protocol):
+    """Where a workflow reports what happened (job events, metrics)."""
+
+    async def emit(self, job: Job, kind: str, round: int, payload: Mapping[str, Any]) -> None:
+        """Records one progress event of ``job``."""
+        ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkflowContext:
+    """Everything a workflow may use to drive one run."""
+
+    store: StateStore
+    clock: Clock
+    notifier: TaskNotifier
+    progress: Progress
+    events: EventSink
+    job: Job
+    run: Run
+
+
+class Workflow(Protocol):
+    """Drives one run of a job until it is done."""
+
+    async def run(self, ctx: WorkflowContext) -> None:
+        """Runs (or resumes) ``ctx.run`` to the end; raising fails the job with the error."""
+        ...
+
+
+def workflow_name(spec_json: str) -> str:
+    """The workflow a job's spec names (e.g. ``"fedavg"``)."""
+    spec = json.loads(spec_json)
+    name = spec.get("workflow") if isinstance(spec, dict) else None
+    return str(name or "")

@@ -1,0 +1,427 @@
+"""FedAvg: synchronous rounds of seeded device samples and weighted averaging.
+
+Each round hands one ``train`` task per sampled device (a task targeted at that device, one slot), so
+every device's share of the round is its own row: an expired lease or a failed result frees exactly
+that device's part, and a replacement is sampled from the devices not yet asked. A round closes once
+``min_results`` results are in and no sampled device still owes one, or at the deadline. The round's
+state lives in the store (tasks, assignments, results), so a restarted coordinator resumes it as it
+was: acknowledged results count once, and no device is asked to redo a task it reported.
+
+Aggregation reads the round's accepted results one at a time in device-id order (the store's
+canonical order) into float64 accumulators: memory grows with the model, not with the results, and
+the same results give the same bits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import numpy as np
+
+from fedlink.common.dxo import DXO, DataKind, weight_of
+from fedlink.common.errors import FailedPrecondition, InvalidArgument
+from fedlink.server.domain import (
+    Assignment,
+    AssignmentState,
+    DeviceState,
+    Result,
+    ResultStatus,
+    Task,
+    TaskState,
+)
+from fedlink.server.protocol.device import selector_matches
+from fedlink.server.protocol.results import EVALUATE_TASK, TRAIN_TASK
+from fedlink.server.store import NewTask
+from fedlink.server.workflows.aggregation import WeightedAverage, apply_average, model_spec
+from fedlink.server.workflows.base import WorkflowContext
+
+log = logging.getLogger(__name__)
+
+_LOST = frozenset({AssignmentState.EXPIRED, AssignmentState.RELEASED, AssignmentState.FAILED})
+
+
+class RoundFailed(FailedPrecondition):
+    """A round ended with too few results and may not be retried."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FedAvgParams:
+    """FedAvg's parameters (the proto's FedAvgConfig)."""
+
+    #: Rounds to run.
+    num_rounds: int
+    #: Fraction of eligible devices sampled per round (used when ``devices_per_round`` is 0).
+    fraction: float = 1.0
+    #: Devices sampled per round; 0 means use ``fraction``.
+    devices_per_round: int = 0
+    #: Results needed to close a round; 0 means every sampled device.
+    min_results: int = 0
+    #: How long a round stays open.
+    round_timeout_s: float = 600.0
+    #: Eligible online devices needed before the first round; 0 means ``min_results`` (at least 1).
+    min_devices: int = 0
+    #: Seed of the sampling generator.
+    seed: int = 0
+    #: Send an ``evaluate`` task with the new model to the round's devices after aggregation.
+    evaluate: bool = False
+    #: "retry" or "fail" when a round got too few results.
+    round_failure_policy: str = "retry"
+    #: How many times a round may be retried.
+    max_round_retries: int = 2
+    #: Round checkpoints kept besides the final model.
+    keep_checkpoints: int = 3
+
+    def __post_init__(self) -> None:
+        if self.num_rounds < 1:
+            raise InvalidArgument("fedavg.num_rounds must be at least 1")
+        if not 0 < self.fraction <= 1:
+            raise InvalidArgument("fedavg.fraction must be in (0, 1]")
+        for name in (
+            "devices_per_round",
+            "min_results",
+            "min_devices",
+            "max_round_retries",
+            "keep_checkpoints",
+        ):
+            if getattr(self, name) < 0:
+                raise InvalidArgument(f"fedavg.{name} must not be negative")
+        if self.devices_per_round and self.min_results > self.devices_per_round:
+            raise InvalidArgument("fedavg.min_results cannot exceed fedavg.devices_per_round")
+        if not (math.isfinite(self.round_timeout_s) and self.round_timeout_s > 0):
+            raise InvalidArgument("fedavg.round_timeout must be positive")
+        if self.round_failure_policy not in ("retry", "fail"):
+            raise InvalidArgument("fedavg.round_failure_policy must be 'retry' or 'fail'")
+
+    def to_spec_json(self) -> str:
+        """The job spec document that names this workflow and its parameters."""
+        return json.dumps({"workflow": "fedavg", "fedavg": asdict(self)}, sort_keys=True)
+
+    @classmethod
+    def from_spec_json(cls, spec_json: str) -> FedAvgParams:
+        """Parses the job spec document written by :meth:`to_spec_json`."""
+        try:
+            spec = json.loads(spec_json)
+            return cls(**spec["fedavg"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidArgument(f"not a fedavg job spec: {exc}") from exc
+
+    def sample_size(self, eligible: int) -> int:
+        """How many devices to sample from ``eligible`` ones."""
+        if self.devices_per_round:
+            return min(self.devices_per_round, eligible)
+        return max(1, min(eligible, math.ceil(self.fraction * eligible)))
+
+    def needed(self, sampled: int) -> int:
+        """Results needed to close a round of ``sampled`` devices."""
+        return self.min_results or sampled
+
+
+def sample_devices(candidates: Sequence[str], k: int, *, seed: int, round: int, wave: int) -> list[str]:
+    """Picks ``k`` of ``candidates``, seeded by (seed, round, wave): same inputs, same picks."""
+    ordered = sorted(candidates)
+    if k >= len(ordered):
+        return ordered
+    rng = np.random.default_rng([seed & 0xFFFFFFFF, round, wave])
+    picks = rng.choice(len(ordered), size=k, replace=False)
+    return [ordered[i] for i in sorted(picks)]
+
+
+@dataclass(slots=True)
+class _RoundView:
+    """One round's tasks as the store has them, by purpose."""
+
+    tasks: list[Task]
+    assignments: dict[str, Assignment]
+    results: dict[str, Result]
+    targets: dict[str, tuple[str, ...]]
+
+    def asked(self) -> set[str]:
+        """Devices this round's tasks were offered to."""
+        return {d for devices in self.targets.values() for d in devices}
+
+    def open(self) -> list[Task]:
+        return [t for t in self.tasks if t.state is TaskState.OPEN]
+
+    def succeeded(self) -> list[Result]:
+        return [r for r in self.results.values() if r.status is ResultStatus.SUCCEEDED and r.accepted]
+
+    def lost(self, task: Task) -> bool:
+        """True if the task's device will not deliver: its lease expired, it released or failed it."""
+        a = self.assignments.get(task.task_id)
+        return a is not None and a.state in _LOST
+
+    def owing(self) -> list[Task]:
+        """Open tasks whose device may still report."""
+        done = {r.task_id for r in self.results.values()}
+        return [t for t in self.open() if t.task_id not in done and not self.lost(t)]
+
+
+class FedAvg:
+    """The FedAvg workflow."""
+
+    def __init__(self, params: FedAvgParams, *, poll_seconds: float = 1.0) -> None:
+        self.params = params
+        self._poll = poll_seconds
+
+    async def run(self, ctx: WorkflowContext) -> None:
+        """Runs rounds from the run's last checkpoint to ``num_rounds``."""
+        run = ctx.run
+        model_sha = run.global_model_sha256 or ctx.job.initial_model_sha256
+        if model_sha is None:
+            raise InvalidArgument("the job has no initial model")
+        for round_no in range(run.round + 1, self.params.num_rounds + 1):
+            model_sha = await self._round(ctx, round_no, model_sha)
+
+    # ---- one round ----
+    async def _round(self, ctx: WorkflowContext, round_no: int, model_sha: str) -> str:
+        train = await self._collect(ctx, round_no, TRAIN_TASK, model_sha)
+        global_model = DXO.from_bytes(await ctx.store.blobs.read(model_sha))
+        new_model, train_metrics = await self._aggregate(ctx, global_model, train.succeeded())
+        new_ref = await ctx.store.blobs.put_bytes(new_model.to_bytes())
+        metrics = dict(train_metrics)
+        if self.params.evaluate:
+            devices = sorted(r.device_id for r in train.succeeded())
+            evaluation = await self._collect(ctx, round_no, EVALUATE_TASK, new_ref.sha256, devices=devices)
+            metrics.update(await self._metrics(ctx, evaluation.succeeded(), prefix="eval_"))
+        metrics_json = json.dumps(metrics, sort_keys=True)
+        await ctx.store.save_checkpoint(
+            ctx.run.run_id, round_no, new_ref.sha256, metrics_json, keep_last=self.params.keep_checkpoints
+        )
+        await ctx.events.emit(
+            ctx.job, "round_closed", round_no, {"num_results": len(train.succeeded()), "metrics": metrics}
+        )
+        log.info("round closed", extra={"job_id": ctx.job.job_id, "round": round_no, **metrics})
+        return new_ref.sha256
+
+    async def _view(self, ctx: WorkflowContext, round_no: int, name: str) -> _RoundView:
+        tasks = [t for t in await ctx.store.list_tasks(ctx.run.run_id, round=round_no) if t.name == name]
+        ids = [t.task_id for t in tasks]
+        assignments = {a.task_id: a for a in await ctx.store.list_assignments(task_ids=ids)}
+        wanted = set(ids)
+        results = {
+            r.task_id: r
+            for r in await ctx.store.list_results(run_id=ctx.run.run_id, round=round_no, accepted_only=False)
+            if r.task_id in wanted and not r.stale
+        }
+        targets = await ctx.store.task_targets(task_ids=ids)
+        return _RoundView(tasks, assignments, results, targets)
+
+    async def _collect(
+        self,
+        ctx: WorkflowContext,
+        round_no: int,
+        name: str,
+        payload_sha: str,
+        *,
+        devices: Sequence[str] | None = None,
+    ) -> _RoundView:
+        """Hands out ``name`` tasks for the round and waits until the round can close.
+
+        With ``devices`` the tasks go to exactly those devices (evaluation) and whatever arrives by
+        the deadline is returned. Resumable: tasks already in the store for this round are picked up
+        as they are.
+        """
+        retries = 0
+        while True:
+            view = await self._view(ctx, round_no, name)
+            if not view.tasks:
+                await self._start_wave(ctx, round_no, name, payload_sha, view, devices, wave=0)
+                continue
+            needed = self.params.needed(self._wave_size(view)) if devices is None else 0
+            open_tasks = view.open()
+            if open_tasks:
+                now = ctx.clock.now()
+                deadline = min(t.deadline for t in open_tasks)
+                short = len(view.succeeded()) < needed
+                replaceable = short and now < deadline and devices is None
+                if replaceable and await self._replace_lost(ctx, round_no, name, payload_sha, view, deadline):
+                    continue
+                if now >= deadline or not view.owing():
+                    for task in open_tasks:
+                        await ctx.store.close_task(task.task_id)
+                    continue
+                await ctx.progress.wait(min(self._poll, (deadline - now).total_seconds()))
+                continue
+            if len(view.succeeded()) >= needed:
+                return view
+            retries += 1
+            if self.params.round_failure_policy == "fail" or retries > self.params.max_round_retries:
+                raise RoundFailed(
+                    f"round {round_no} got {len(view.succeeded())} of the {needed} results it needs"
+                )
+            log.warning(
+                "round short of results; retrying",
+                extra={"job_id": ctx.job.job_id, "round": round_no, "retry": retries},
+            )
+            await self._start_wave(ctx, round_no, name, payload_sha, view, devices, wave=retries)
+
+    def _wave_size(self, view: _RoundView) -> int:
+        first = min(t.created_at for t in view.tasks)
+        return sum(1 for t in view.tasks if t.created_at == first)
+
+    async def _eligible(self, ctx: WorkflowContext) -> list[str]:
+        selector = ctx.job.device_selector
+        out: list[str] = []
+        token = ""
+        while True:
+            page = await ctx.store.list_devices(page_size=1000, page_token=token, state=DeviceState.ONLINE)
+            out.extend(d.device_id for d in page.items if selector_matches(selector, d.device_info))
+            token = page.next_page_token
+            if not token:
+                return out
+
+    async def _start_wave(
+        self,
+        ctx: WorkflowContext,
+        round_no: int,
+        name: str,
+        payload_sha: str,
+        view: _RoundView,
+        devices: Sequence[str] | None,
+        *,
+        wave: int,
+    ) -> None:
+        """Samples devices for the round (wave 0) or for a retry of it, and hands out their tasks."""
+        if devices is not None:
+            chosen = list(devices)
+        elif wave == 0:
+            minimum = max(1, self.params.min_devices or self.params.min_results)
+            candidates = await self._eligible(ctx)
+            while len(candidates) < minimum:  # the job waits for enough devices to start
+                await ctx.progress.wait(self._poll)
+                candidates = await self._eligible(ctx)
+            k = self.params.sample_size(len(candidates))
+            chosen = sample_devices(candidates, k, seed=self.params.seed, round=round_no, wave=0)
+        else:
+            # A retry asks again, among everyone who has not delivered a result this round.
+            delivered = {r.device_id for r in view.succeeded()}
+            candidates = [d for d in await self._eligible(ctx) if d not in delivered]
+            if not candidates:
+                raise RoundFailed(f"round {round_no} is short of results and no other device is online")
+            k = min(len(candidates), self._wave_size(view))
+            chosen = sample_devices(candidates, k, seed=self.params.seed, round=round_no, wave=wave)
+        deadline = ctx.clock.now() + timedelta(seconds=self.params.round_timeout_s)
+        await self._hand_out(ctx, round_no, name, payload_sha, chosen, deadline)
+        if name == TRAIN_TASK and wave == 0:
+            await ctx.events.emit(ctx.job, "round_started", round_no, {"num_devices": len(chosen)})
+
+    async def _hand_out(
+        self,
+        ctx: WorkflowContext,
+        round_no: int,
+        name: str,
+        payload_sha: str,
+        devices: Sequence[str],
+        deadline: datetime,
+    ) -> None:
+        if not devices:
+            return
+        await ctx.store.create_tasks(
+            [
+                NewTask(
+                    job_id=ctx.job.job_id,
+                    run_id=ctx.run.run_id,
+                    round=round_no,
+                    name=name,
+                    payload_sha256=payload_sha,
+                    deadline=deadline,
+                    slots=1,
+                    targets=(device,),
+                )
+                for device in devices
+            ]
+        )
+        ctx.notifier.notify(ctx.job.job_id)
+
+    async def _replace_lost(
+        self,
+        ctx: WorkflowContext,
+        round_no: int,
+        name: str,
+        payload_sha: str,
+        view: _RoundView,
+        deadline: datetime,
+    ) -> bool:
+        """Closes open tasks whose device was lost and offers each to a device not asked this round."""
+        lost = [t for t in view.open() if view.lost(t)]
+        if not lost:
+            return False
+        asked = view.asked()
+        candidates = [d for d in await self._eligible(ctx) if d not in asked]
+        chosen = sample_devices(
+            candidates,
+            min(len(lost), len(candidates)),
+            seed=self.params.seed,
+            round=round_no,
+            wave=len(view.tasks),
+        )
+        for task in lost:
+            await ctx.store.close_task(task.task_id)
+        await self._hand_out(ctx, round_no, name, payload_sha, chosen, deadline)
+        return True
+
+    # ---- aggregation ----
+    async def _aggregate(
+        self, ctx: WorkflowContext, global_model: DXO, results: Sequence[Result]
+    ) -> tuple[DXO, dict[str, float]]:
+        spec = model_spec(global_model.data)
+        average = WeightedAverage(spec)
+        metrics = _MetricAverage()
+        for result in sorted(results, key=lambda r: r.device_id):
+            if result.payload_sha256 is None:
+                continue
+            update = DXO.from_bytes(await ctx.store.blobs.read(result.payload_sha256))
+            weight = weight_of(update)
+            data = update.data
+            if update.kind is DataKind.WEIGHTS:  # as a difference, so WEIGHTS and WEIGHT_DIFF mix
+                data = {k: (v.astype(np.float64) - global_model.data[k]) for k, v in data.items()}
+                data = {k: v.astype(spec[k].dtype) for k, v in data.items()}
+            average.add(data, weight)
+            metrics.add(update.meta, weight)
+        new = apply_average(global_model.data, average, is_diff=True)
+        return DXO(
+            kind=DataKind.WEIGHTS, data=dict(new), meta={"round_results": average.count}
+        ), metrics.result()
+
+    async def _metrics(
+        self, ctx: WorkflowContext, results: Sequence[Result], *, prefix: str
+    ) -> dict[str, float]:
+        metrics = _MetricAverage()
+        for result in sorted(results, key=lambda r: r.device_id):
+            if result.payload_sha256 is None:
+                continue
+            dxo = DXO.from_bytes(await ctx.store.blobs.read(result.payload_sha256))
+            try:
+                weight = weight_of(dxo)
+            except InvalidArgument:
+                weight = 1.0
+            metrics.add(dxo.meta, weight)
+        return {prefix + k if not k.startswith(prefix) else k: v for k, v in metrics.result().items()}
+
+
+class _MetricAverage:
+    """Weighted mean of the numeric metadata the results carry (weights themselves excluded)."""
+
+    _SKIP = frozenset({"num_examples", "num_steps_current_round", "model_version"})
+
+    def __init__(self) -> None:
+        self._sums: dict[str, float] = {}
+        self._weights: dict[str, float] = {}
+
+    def add(self, meta: Mapping[str, Any], weight: float) -> None:
+        for key, value in meta.items():
+            if key in self._SKIP or isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            if not math.isfinite(value):
+                continue
+            self._sums[key] = self._sums.get(key, 0.0) + weight * float(value)
+            self._weights[key] = self._weights.get(key, 0.0) + weight
+
+    def result(self) -> dict[str, float]:
+        return {k: self._sums[k] / self._weights[k] for k in sorted(self._sums)}
