@@ -63,6 +63,14 @@ def pg_session_url() -> Iterator[str | BaseException]:
 
 
 @pytest.fixture
+def pg_admin_url(pg_session_url: str | BaseException) -> str:
+    """The server's maintenance database URL, for tests that make databases of their own."""
+    if isinstance(pg_session_url, BaseException):
+        pg_unavailable(repr(pg_session_url))
+    return pg_base_url()
+
+
+@pytest.fixture
 def pg_url(pg_session_url: str | BaseException) -> str:
     """The session's PostgreSQL database with every table emptied."""
     if isinstance(pg_session_url, BaseException):
