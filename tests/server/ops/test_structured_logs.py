@@ -18,15 +18,18 @@ log = logging.getLogger("fedlink.server.test_structured_logs")
 
 @pytest.fixture
 def output() -> Iterator[io.StringIO]:
-    """A fresh stream; the root logger's level and handlers are restored afterwards."""
+    """A fresh stream; the levels and handlers configure_logging touches are restored afterwards."""
     root = logging.getLogger()
-    level, handlers = root.level, list(root.handlers)
+    handlers = list(root.handlers)
+    loggers = [root, *(logging.getLogger(name) for name in ("aiosqlite", "asyncio", "hpack"))]
+    levels = [logger.level for logger in loggers]
     stream = io.StringIO()
     yield stream
     for handler in root.handlers:
         if handler not in handlers:
             root.removeHandler(handler)
-    root.setLevel(level)
+    for logger, level in zip(loggers, levels, strict=True):
+        logger.setLevel(level)
 
 
 def _json_lines(stream: io.StringIO) -> list[dict[str, object]]:
