@@ -22,6 +22,7 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
 from fedlink.common.errors import FedlinkError, InvalidArgument
 from fedlink.server.api.errors import status_code_for
+from fedlink.server.domain import Device
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ class Principal:
 
     kind: str  # "device" | "admin" | "anonymous"
     device_id: str = ""
+    #: The authenticated device, for device principals.
+    device: Device | None = None
 
 
 ANONYMOUS = Principal("anonymous")

@@ -27,6 +27,7 @@ from fedlink.common.errors import (
     Unauthenticated,
 )
 from fedlink.common.version import PROTOCOL_VERSION
+from fedlink.server.credentials import hash_credential
 from fedlink.server.domain import (
     Assignment,
     Clock,
@@ -175,11 +176,6 @@ def check_protocol_version(version: str) -> None:
         )
 
 
-def hash_credential(token: str) -> str:
-    """The stored form of a device credential: SHA-256 of a 256-bit random token is enough."""
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
 def selector_matches(selector: Mapping[str, str], device_info: Mapping[str, str]) -> bool:
     """True if ``device_info`` has every key/value pair of ``selector``."""
     return all(device_info.get(k) == v for k, v in selector.items())
@@ -218,6 +214,10 @@ class DeviceProtocol:
         """Stops handing out tasks (graceful shutdown); waiting long polls are woken to answer RETRY."""
         self._accepting = False
         self._notifier.notify_all()
+
+    def note_seen(self, device_id: str) -> None:
+        """Records that a device called (written to the store in batches by the maintenance loop)."""
+        self._seen.add(device_id)
 
     def drain_seen(self) -> set[str]:
         """Returns and forgets the devices seen since the last call (for a batched last-seen update)."""

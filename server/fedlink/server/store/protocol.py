@@ -335,6 +335,18 @@ class StateStore(Protocol):
         """Expire every LEASED assignment whose lease ended at or before ``now``; return them."""
         ...
 
+    async def list_assignments(self, *, task_ids: Sequence[str]) -> Sequence[Assignment]:
+        """Return every assignment of these tasks (all states), oldest first."""
+        ...
+
+    async def task_targets(self, *, task_ids: Sequence[str]) -> dict[str, tuple[str, ...]]:
+        """Return the devices each targeted task is offered to (untargeted tasks are absent)."""
+        ...
+
+    async def device_may_read_blob(self, device_id: str, sha256: str) -> bool:
+        """True if the blob is the input of a task the device holds (or held) an assignment for."""
+        ...
+
     # ---- results ----
     async def record_results(
         self, reports: Sequence[ResultReport], now: datetime

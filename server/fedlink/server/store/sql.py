@@ -23,6 +23,7 @@ from fedlink.server.store.dialect import Database, is_memory_sqlite
 from fedlink.server.store.jobs import JobQueries
 from fedlink.server.store.migrate import ensure_schema
 from fedlink.server.store.results import ResultQueries
+from fedlink.server.store.rounds import RoundQueries
 from fedlink.server.store.schema import idempotency_records, signing_keys
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ _COOKIE_KEY_ID = "cookie"
 SIGNING_KEY_BYTES = 32
 
 
-class SqlStateStore(DeviceQueries, JobQueries, ClaimQueries, ResultQueries):
+class SqlStateStore(DeviceQueries, JobQueries, ClaimQueries, ResultQueries, RoundQueries):
     """The :class:`~fedlink.server.store.protocol.StateStore` on SQLAlchemy (SQLite or PostgreSQL)."""
 
     def __init__(self, database: Database, clock: Clock, blob_store: SqlBlobStore) -> None:

@@ -1,0 +1,254 @@
+"""ControlService: protobuf in, control protocol calls, protobuf out."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from datetime import UTC, timedelta
+from typing import Any
+
+from fedlink.common.errors import InvalidArgument
+from fedlink.server.api.rpc import Call
+from fedlink.server.api.runner_servicer import split_upload, upload_status
+from fedlink.server.domain import Device, DeviceState, JobEvent, JobState, ResultStatus
+from fedlink.server.protocol.control import ControlProtocol, JobSubmission, JobView
+from fedlink.server.protocol.transfers import receive_upload, send_blob
+from fedlink.server.store import BlobStore
+from fedlink.server.workflows.fedavg import FedAvgParams
+from fedlink.v1 import control_service_pb2 as pb
+from fedlink.v1 import states_pb2
+
+JOB_STATES = {
+    JobState.PENDING: states_pb2.JOB_STATE_PENDING,
+    JobState.RUNNING: states_pb2.JOB_STATE_RUNNING,
+    JobState.FINISHED: states_pb2.JOB_STATE_FINISHED,
+    JobState.FAILED: states_pb2.JOB_STATE_FAILED,
+    JobState.ABORTED: states_pb2.JOB_STATE_ABORTED,
+}
+_JOB_STATES_BACK = {v: k for k, v in JOB_STATES.items()}
+DEVICE_STATES = {
+    DeviceState.ONLINE: states_pb2.DEVICE_STATE_ONLINE,
+    DeviceState.OFFLINE: states_pb2.DEVICE_STATE_OFFLINE,
+    DeviceState.REVOKED: states_pb2.DEVICE_STATE_REVOKED,
+}
+_DEVICE_STATES_BACK = {v: k for k, v in DEVICE_STATES.items()}
+_POLICIES = {
+    pb.ROUND_FAILURE_POLICY_UNSPECIFIED: "retry",
+    pb.ROUND_FAILURE_POLICY_RETRY: "retry",
+    pb.ROUND_FAILURE_POLICY_FAIL: "fail",
+}
+_DEFAULT_ROUND_TIMEOUT = timedelta(minutes=10)
+
+
+def fedavg_params(config: pb.FedAvgConfig, *, default_keep: int) -> FedAvgParams:
+    """FedAvg's parameters from the wire message (InvalidArgument on bad values)."""
+    policy = _POLICIES.get(config.round_failure_policy)
+    if policy is None:
+        raise InvalidArgument(f"unknown round_failure_policy {config.round_failure_policy}")
+    timeout = (
+        config.round_timeout.ToTimedelta() if config.HasField("round_timeout") else _DEFAULT_ROUND_TIMEOUT
+    )
+    return FedAvgParams(
+        num_rounds=config.num_rounds,
+        fraction=config.fraction or 1.0,
+        devices_per_round=config.devices_per_round,
+        min_results=config.min_results,
+        round_timeout_s=(timeout or _DEFAULT_ROUND_TIMEOUT).total_seconds(),
+        min_devices=config.min_devices,
+        seed=config.seed,
+        evaluate=config.evaluate,
+        round_failure_policy=policy,
+        max_round_retries=config.max_round_retries,
+        keep_checkpoints=config.keep_checkpoints if config.keep_checkpoints else default_keep,
+    )
+
+
+def fedavg_config(params: FedAvgParams) -> pb.FedAvgConfig:
+    """The wire message of FedAvg's parameters."""
+    config = pb.FedAvgConfig(
+        num_rounds=params.num_rounds,
+        fraction=params.fraction,
+        devices_per_round=params.devices_per_round,
+        min_results=params.min_results,
+        min_devices=params.min_devices,
+        seed=params.seed,
+        evaluate=params.evaluate,
+        round_failure_policy=(
+            pb.ROUND_FAILURE_POLICY_FAIL
+            if params.round_failure_policy == "fail"
+            else pb.ROUND_FAILURE_POLICY_RETRY
+        ),
+        max_round_retries=params.max_round_retries,
+        keep_checkpoints=params.keep_checkpoints,
+    )
+    config.round_timeout.FromTimedelta(timedelta(seconds=params.round_timeout_s))
+    return config
+
+
+def job_message(view: JobView) -> pb.Job:
+    """The wire form of a job."""
+    job = view.job
+    message = pb.Job(
+        job_id=job.job_id,
+        state=JOB_STATES[job.state],
+        current_round=view.current_round,
+        message=job.message,
+        metrics=dict(view.metrics),
+    )
+    message.spec.name = job.name
+    message.spec.job_data = job.job_data
+    message.spec.device_selector.update(job.device_selector)
+    if job.initial_model_sha256:
+        message.spec.initial_model.sha256 = job.initial_model_sha256
+    message.spec.fedavg.CopyFrom(fedavg_config(FedAvgParams.from_spec_json(job.spec_json)))
+    message.create_time.FromDatetime(job.created_at.astimezone(UTC))
+    message.update_time.FromDatetime(job.updated_at.astimezone(UTC))
+    return message
+
+
+def device_message(device: Device) -> pb.Device:
+    """The wire form of a device."""
+    message = pb.Device(
+        device_id=device.device_id,
+        state=DEVICE_STATES[device.state],
+        device_info=dict(device.device_info),
+        user_info=dict(device.user_info),
+    )
+    message.enroll_time.FromDatetime(device.enrolled_at.astimezone(UTC))
+    message.last_seen_time.FromDatetime(device.last_seen.astimezone(UTC))
+    return message
+
+
+def event_message(event: JobEvent) -> pb.WatchJobResponse:
+    """The wire form of a job event."""
+    body: dict[str, Any] = json.loads(event.payload_json)
+    message = pb.WatchJobResponse(sequence=event.sequence, round=int(body.get("round", 0)))
+    message.event_time.FromDatetime(event.time.astimezone(UTC))
+    if event.kind == "round_started":
+        message.round_started.num_devices = int(body.get("num_devices", 0))
+    elif event.kind == "round_closed":
+        message.round_closed.num_results = int(body.get("num_results", 0))
+        metrics = body.get("metrics", {})
+        message.round_closed.metrics.update({k: float(v) for k, v in metrics.items()})
+    elif event.kind == "result_received":
+        message.result_received.device_id = str(body.get("device_id", ""))
+        succeeded = body.get("status") == ResultStatus.SUCCEEDED.value
+        message.result_received.status = (
+            states_pb2.RESULT_STATUS_SUCCEEDED if succeeded else states_pb2.RESULT_STATUS_FAILED
+        )
+        message.result_received.num_results = int(body.get("num_results", 0))
+    elif event.kind == "job_state_changed":
+        state = JOB_STATES[JobState(body["state"])]
+        message.job_state_changed.state = state
+        message.job_state_changed.message = str(body.get("message", ""))
+        message.state = state
+    return message
+
+
+class ControlServicer:
+    """Implements fedlink.v1.ControlService over :class:`ControlProtocol`."""
+
+    def __init__(
+        self, protocol: ControlProtocol, blobs: BlobStore, *, max_model_bytes: int, default_keep: int
+    ) -> None:
+        self._protocol = protocol
+        self._blobs = blobs
+        self._max_model_bytes = max_model_bytes
+        self._default_keep = default_keep
+
+    async def SubmitJob(self, request: pb.SubmitJobRequest, call: Call) -> pb.SubmitJobResponse:
+        spec = request.spec
+        if spec.WhichOneof("workflow") != "fedavg":
+            raise InvalidArgument("spec.workflow must be set (fedavg)")
+        view = await self._protocol.submit_job(
+            JobSubmission(
+                name=spec.name,
+                params=fedavg_params(spec.fedavg, default_keep=self._default_keep),
+                job_data=spec.job_data,
+                initial_model_sha256=spec.initial_model.sha256,
+                device_selector=dict(spec.device_selector),
+            ),
+            request_id=request.request_id,
+        )
+        return pb.SubmitJobResponse(job=job_message(view))
+
+    async def DescribeJob(self, request: pb.DescribeJobRequest, call: Call) -> pb.DescribeJobResponse:
+        return pb.DescribeJobResponse(job=job_message(await self._protocol.describe_job(request.job_id)))
+
+    async def ListJobs(self, request: pb.ListJobsRequest, call: Call) -> pb.ListJobsResponse:
+        state = _JOB_STATES_BACK.get(request.state) if request.state else None
+        if request.state and state is None:
+            raise InvalidArgument(f"unknown job state {request.state}")
+        page = await self._protocol.list_jobs(
+            page_size=min(max(request.page_size, 0), 1000), page_token=request.page_token, state=state
+        )
+        views = [await self._protocol.describe_job(job.job_id) for job in page.items]
+        return pb.ListJobsResponse(jobs=[job_message(v) for v in views], next_page_token=page.next_page_token)
+
+    async def AbortJob(self, request: pb.AbortJobRequest, call: Call) -> pb.AbortJobResponse:
+        return pb.AbortJobResponse(
+            job=job_message(await self._protocol.abort_job(request.job_id, request.reason))
+        )
+
+    async def DeleteJob(self, request: pb.DeleteJobRequest, call: Call) -> pb.DeleteJobResponse:
+        return pb.DeleteJobResponse(freed_bytes=await self._protocol.delete_job(request.job_id))
+
+    async def WatchJob(self, request: pb.WatchJobRequest, call: Call) -> AsyncIterator[pb.WatchJobResponse]:
+        view = await self._protocol.describe_job(request.job_id)  # NOT_FOUND before the stream starts
+        state = JOB_STATES[view.job.state]
+        async for event in self._protocol.watch_job(request.job_id, after_sequence=request.after_sequence):
+            message = event_message(event)
+            if message.state:
+                state = message.state
+            message.state = state
+            yield message
+
+    async def ListDevices(self, request: pb.ListDevicesRequest, call: Call) -> pb.ListDevicesResponse:
+        state = _DEVICE_STATES_BACK.get(request.state) if request.state else None
+        if request.state and state is None:
+            raise InvalidArgument(f"unknown device state {request.state}")
+        page = await self._protocol.list_devices(
+            page_size=min(max(request.page_size, 0), 1000), page_token=request.page_token, state=state
+        )
+        return pb.ListDevicesResponse(
+            devices=[device_message(d) for d in page.items], next_page_token=page.next_page_token
+        )
+
+    async def RevokeDevice(self, request: pb.RevokeDeviceRequest, call: Call) -> pb.RevokeDeviceResponse:
+        return pb.RevokeDeviceResponse(
+            device=device_message(await self._protocol.revoke_device(request.device_id))
+        )
+
+    async def UploadModel(
+        self, requests: AsyncIterator[pb.UploadModelRequest], call: Call
+    ) -> pb.UploadModelResponse:
+        header, chunks = await split_upload(requests)
+        ref = await receive_upload(
+            self._blobs,
+            sha256=header.sha256,
+            size_bytes=header.size_bytes,
+            offset=header.offset,
+            chunks=chunks,
+            max_bytes=self._max_model_bytes,
+        )
+        response = pb.UploadModelResponse()
+        response.model.sha256 = ref.sha256
+        response.model.size_bytes = ref.size_bytes
+        return response
+
+    async def GetModelUploadStatus(
+        self, request: pb.GetModelUploadStatusRequest, call: Call
+    ) -> pb.GetModelUploadStatusResponse:
+        received, complete = await upload_status(self._blobs, request.sha256)
+        return pb.GetModelUploadStatusResponse(received_bytes=received, complete=complete)
+
+    async def DownloadModel(
+        self, request: pb.DownloadModelRequest, call: Call
+    ) -> AsyncIterator[pb.DownloadModelResponse]:
+        if request.round < 0:
+            raise InvalidArgument("round must not be negative")
+        where = await self._protocol.model_location(request.job_id, request.round)
+        async for offset, data, size in send_blob(self._blobs, where.sha256, offset=request.offset):
+            yield pb.DownloadModelResponse(
+                offset=offset, data=data, size_bytes=size, round=where.round, sha256=where.sha256
+            )

@@ -1,0 +1,246 @@
+"""RunnerService: protobuf in, device protocol calls, protobuf out. Nothing else happens here."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from google.protobuf import duration_pb2, timestamp_pb2
+
+from fedlink.common.errors import InvalidArgument
+from fedlink.common.version import PROTOCOL_VERSION
+from fedlink.server.api.rpc import Call
+from fedlink.server.domain import Device, ResultStatus
+from fedlink.server.protocol.device import DeviceProtocol, DeviceStatus, ResultInput, TaskReply
+from fedlink.server.protocol.transfers import check_sha256, receive_upload, send_blob
+from fedlink.server.store import BlobStore
+from fedlink.v1 import dxo_pb2, states_pb2
+from fedlink.v1 import runner_service_pb2 as pb
+
+_STATUS = {
+    DeviceStatus.OK: pb.RUNNER_STATUS_OK,
+    DeviceStatus.RETRY: pb.RUNNER_STATUS_RETRY,
+    DeviceStatus.NO_JOB: pb.RUNNER_STATUS_NO_JOB,
+    DeviceStatus.NO_TASK: pb.RUNNER_STATUS_NO_TASK,
+    DeviceStatus.DONE: pb.RUNNER_STATUS_DONE,
+    DeviceStatus.STALE: pb.RUNNER_STATUS_STALE,
+}
+_RESULT_STATUS = {
+    states_pb2.RESULT_STATUS_SUCCEEDED: ResultStatus.SUCCEEDED,
+    states_pb2.RESULT_STATUS_FAILED: ResultStatus.FAILED,
+}
+
+
+def duration(delta: timedelta | None) -> duration_pb2.Duration | None:
+    """A protobuf Duration, or None."""
+    if delta is None:
+        return None
+    out = duration_pb2.Duration()
+    out.FromTimedelta(delta)
+    return out
+
+
+def timestamp(moment: datetime | None) -> timestamp_pb2.Timestamp | None:
+    """A protobuf Timestamp, or None."""
+    if moment is None:
+        return None
+    out = timestamp_pb2.Timestamp()
+    out.FromDatetime(moment.astimezone(UTC))
+    return out
+
+
+class RunnerServicer:
+    """Implements fedlink.v1.RunnerService over :class:`DeviceProtocol`."""
+
+    def __init__(self, protocol: DeviceProtocol, blobs: BlobStore, *, max_blob_bytes: int) -> None:
+        self._protocol = protocol
+        self._blobs = blobs
+        self._max_blob_bytes = max_blob_bytes
+        self._payloads: dict[str, dxo_pb2.Dxo] = {}
+
+    def _device(self, call: Call) -> Device:
+        device = call.principal.device
+        assert device is not None  # the authenticator of this service only lets devices in
+        return device
+
+    async def Enroll(self, request: pb.EnrollRequest, call: Call) -> pb.EnrollResponse:
+        enrolment = await self._protocol.enroll(
+            join_secret=request.join_secret,
+            device_info=dict(request.device_info),
+            user_info=dict(request.user_info),
+            protocol_version=request.protocol_version,
+            request_id=request.request_id,
+        )
+        return pb.EnrollResponse(
+            device_id=enrolment.device_id,
+            device_credential=enrolment.credential,
+            protocol_version=PROTOCOL_VERSION,
+        )
+
+    async def GetJob(self, request: pb.GetJobRequest, call: Call) -> pb.GetJobResponse:
+        reply = await self._protocol.get_job(
+            self._device(call),
+            job_name=request.job_name,
+            device_info=dict(request.device_info),
+            protocol_version=request.protocol_version,
+        )
+        response = pb.GetJobResponse(status=_STATUS[reply.status], message=reply.message)
+        if reply.job is not None:
+            response.job_id = reply.job.job_id
+            response.job_name = reply.job.name
+            response.job_data = reply.job.job_data
+        if reply.retry_after is not None:
+            response.retry_after.FromTimedelta(reply.retry_after)
+        return response
+
+    async def GetTask(self, request: pb.GetTaskRequest, call: Call) -> pb.GetTaskResponse:
+        if not request.job_id:
+            raise InvalidArgument("job_id is required")
+        wait = request.wait_timeout.ToTimedelta() if request.HasField("wait_timeout") else None
+        reply = await self._protocol.get_task(
+            self._device(call), job_id=request.job_id, cookie=request.cookie, wait=wait
+        )
+        return self._task_response(reply)
+
+    def _task_response(self, reply: TaskReply) -> pb.GetTaskResponse:
+        response = pb.GetTaskResponse(status=_STATUS[reply.status], cookie=reply.cookie)
+        if reply.retry_after is not None:
+            response.retry_after.FromTimedelta(reply.retry_after)
+        if reply.task is None or reply.assignment is None:
+            return response
+        response.task_id = reply.task.task_id
+        response.task_name = reply.task.name
+        response.assignment_id = reply.assignment.assignment_id
+        response.deadline.FromDatetime(reply.task.deadline.astimezone(UTC))
+        response.lease_expire_time.FromDatetime(reply.assignment.lease_expires_at.astimezone(UTC))
+        payload = reply.payload
+        if payload is not None:
+            if payload.inline is not None:
+                response.task_data.dxo.CopyFrom(self._parsed(payload.sha256, payload.inline))
+            else:
+                response.task_data.blob.sha256 = payload.sha256
+                response.task_data.blob.size_bytes = payload.size_bytes
+        return response
+
+    def _parsed(self, sha256: str, data: bytes) -> dxo_pb2.Dxo:
+        # Thousands of devices get the same global model each round: parse it once.
+        message = self._payloads.get(sha256)
+        if message is None:
+            message = dxo_pb2.Dxo.FromString(data)
+            if len(self._payloads) >= 4:
+                self._payloads.pop(next(iter(self._payloads)))
+            self._payloads[sha256] = message
+        return message
+
+    async def ReportResult(self, request: pb.ReportResultRequest, call: Call) -> pb.ReportResultResponse:
+        status = _RESULT_STATUS.get(request.status)
+        if status is None:
+            raise InvalidArgument("status must be RESULT_STATUS_SUCCEEDED or RESULT_STATUS_FAILED")
+        inline: bytes | None = None
+        blob: str | None = None
+        if status is ResultStatus.SUCCEEDED:
+            where = request.result.WhichOneof("location")
+            if where == "dxo":
+                inline = request.result.dxo.SerializeToString(deterministic=True)
+            elif where == "blob":
+                blob = request.result.blob.sha256
+        reply = await self._protocol.report_result(
+            self._device(call),
+            ResultInput(
+                job_id=request.job_id,
+                task_id=request.task_id,
+                cookie=request.cookie,
+                status=status,
+                inline=inline,
+                blob_sha256=blob,
+                error_message=request.error_message,
+                request_id=request.request_id,
+            ),
+        )
+        return pb.ReportResultResponse(
+            status=_STATUS[reply.status], cookie=reply.cookie, message=reply.message
+        )
+
+    async def RenewLease(self, request: pb.RenewLeaseRequest, call: Call) -> pb.RenewLeaseResponse:
+        reply = await self._protocol.renew_lease(
+            self._device(call), job_id=request.job_id, task_id=request.task_id, cookie=request.cookie
+        )
+        response = pb.RenewLeaseResponse(status=_STATUS[reply.status])
+        if reply.lease_expires_at is not None:
+            response.lease_expire_time.FromDatetime(reply.lease_expires_at.astimezone(UTC))
+        return response
+
+    async def ReleaseAssignment(
+        self, request: pb.ReleaseAssignmentRequest, call: Call
+    ) -> pb.ReleaseAssignmentResponse:
+        reply = await self._protocol.release(
+            self._device(call), job_id=request.job_id, task_id=request.task_id, cookie=request.cookie
+        )
+        return pb.ReleaseAssignmentResponse(status=_STATUS[reply.status])
+
+    async def UploadBlob(
+        self, requests: AsyncIterator[pb.UploadBlobRequest], call: Call
+    ) -> pb.UploadBlobResponse:
+        header, chunks = await split_upload(requests)
+        ref = await receive_upload(
+            self._blobs,
+            sha256=header.sha256,
+            size_bytes=header.size_bytes,
+            offset=header.offset,
+            chunks=chunks,
+            max_bytes=self._max_blob_bytes,
+        )
+        response = pb.UploadBlobResponse()
+        response.blob.sha256 = ref.sha256
+        response.blob.size_bytes = ref.size_bytes
+        return response
+
+    async def GetBlobUploadStatus(
+        self, request: pb.GetBlobUploadStatusRequest, call: Call
+    ) -> pb.GetBlobUploadStatusResponse:
+        received, complete = await upload_status(self._blobs, request.sha256)
+        return pb.GetBlobUploadStatusResponse(received_bytes=received, complete=complete)
+
+    async def DownloadBlob(
+        self, request: pb.DownloadBlobRequest, call: Call
+    ) -> AsyncIterator[pb.DownloadBlobResponse]:
+        await self._protocol.check_blob_access(self._device(call), request.sha256)
+        async for offset, data, size in send_blob(
+            self._blobs, request.sha256, offset=request.offset, max_chunk_bytes=request.max_chunk_bytes
+        ):
+            yield pb.DownloadBlobResponse(offset=offset, data=data, size_bytes=size)
+
+
+async def split_upload(
+    requests: AsyncIterator[Any],
+) -> tuple[dxo_pb2.BlobUploadHeader, AsyncIterator[bytes]]:
+    """Takes an upload stream's header off and returns it with an iterator over the chunks.
+
+    Serves both UploadBlobRequest and UploadModelRequest: each is a ``part`` oneof of a header and
+    a chunk.
+    """
+    iterator = aiter(requests)
+    try:
+        first = await anext(iterator)
+    except StopAsyncIteration:
+        raise InvalidArgument("the upload stream is empty: send the header first") from None
+    if first.WhichOneof("part") != "header":
+        raise InvalidArgument("the first message of an upload must be the header")
+    header: dxo_pb2.BlobUploadHeader = first.header
+
+    async def chunks() -> AsyncIterator[bytes]:
+        async for message in iterator:
+            if message.WhichOneof("part") != "chunk":
+                raise InvalidArgument("only the first message of an upload may be a header")
+            yield message.chunk
+
+    return header, chunks()
+
+
+async def upload_status(blobs: BlobStore, sha256: str) -> tuple[int, bool]:
+    """How many bytes of an upload arrived, and whether the blob is complete."""
+    check_sha256(sha256)
+    if await blobs.exists(sha256):
+        return (await blobs.stat(sha256)).size_bytes, True
+    return await blobs.received_bytes(sha256), False

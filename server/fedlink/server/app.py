@@ -1,0 +1,308 @@
+"""The coordinator's composition root: ``async with Coordinator(settings) as c: await c.wait_closed()``.
+
+It opens the store, builds the device and control protocols over it, serves both gRPC services (plus
+health and reflection) and runs the background services in one task group. ``stop()`` is graceful:
+health reports NOT_SERVING, no new tasks are handed out, in-flight calls get the grace period, then
+the services stop and the store closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+import socket
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from fedlink.common.errors import PermissionDenied, Unauthenticated
+from fedlink.server.api.control_servicer import ControlServicer
+from fedlink.server.api.rpc import Principal, method_handlers
+from fedlink.server.api.runner_servicer import RunnerServicer
+from fedlink.server.credentials import (
+    constant_time_equals,
+    hash_credential,
+    resolve_admin_token,
+    resolve_join_secret,
+)
+from fedlink.server.domain import Clock, Device, SystemClock, Task
+from fedlink.server.protocol.control import ControlProtocol
+from fedlink.server.protocol.cookies import CookieSigner
+from fedlink.server.protocol.device import DeviceProtocol, DeviceProtocolConfig, ResultListener
+from fedlink.server.protocol.events import JobEvents
+from fedlink.server.protocol.notify import LocalTaskNotifier
+from fedlink.server.protocol.results import ModelTaskValidator
+from fedlink.server.services.maintenance import Maintenance
+from fedlink.server.services.supervisor import JobSupervisor
+from fedlink.server.settings import CoordinatorSettings
+from fedlink.server.store.sql import SqlStateStore, create_store
+from fedlink.server.telemetry import MetricsServer, Telemetry
+from fedlink.server.tls import ensure_self_signed, load_server_credentials
+from fedlink.v1 import control_service_pb2, runner_service_pb2
+
+log = logging.getLogger(__name__)
+
+RUNNER_SERVICE = runner_service_pb2.DESCRIPTOR.services_by_name["RunnerService"]
+CONTROL_SERVICE = control_service_pb2.DESCRIPTOR.services_by_name["ControlService"]
+_AUTH_CACHE_SECONDS = 2.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Endpoint:
+    """Where the coordinator listens and how to reach it."""
+
+    address: str
+    port: int
+    #: The CA certificate clients must trust (self-signed setup), or None.
+    ca_cert: Path | None
+    insecure: bool
+
+
+class _Listener(ResultListener):
+    def __init__(self, supervisor: JobSupervisor) -> None:
+        self._supervisor = supervisor
+
+    def result_recorded(self, job_id: str, task: Task) -> None:
+        self._supervisor.poke(job_id)
+
+
+class _DeviceAuth:
+    """Authenticates RunnerService calls by device credential, with a short cache.
+
+    Revocations through this coordinator evict the cache at once; the cache only bounds how long a
+    revocation done elsewhere (another replica) takes to bite.
+    """
+
+    def __init__(self, protocol: DeviceProtocol, loop_time: Any) -> None:
+        self._protocol = protocol
+        self._cache: dict[str, tuple[float, Device]] = {}
+        self._time = loop_time
+
+    async def __call__(self, token: str | None, method: str) -> Principal:
+        if method == "Enroll":
+            return Principal("anonymous")
+        now = self._time()
+        hit = self._cache.get(token or "")
+        if hit is not None and now - hit[0] < _AUTH_CACHE_SECONDS:
+            device = hit[1]
+            self._protocol.note_seen(device.device_id)
+        else:
+            device = await self._protocol.authenticate(token)
+            if len(self._cache) > 100_000:
+                self._cache.clear()
+            self._cache[token or ""] = (now, device)
+        return Principal("device", device_id=device.device_id, device=device)
+
+    def evict(self, device_id: str) -> None:
+        for token, (_, device) in list(self._cache.items()):
+            if device.device_id == device_id:
+                del self._cache[token]
+
+
+class _AdminAuth:
+    """Authenticates ControlService calls by the admin credential; a device credential is refused."""
+
+    def __init__(self, admin_token: str, store: SqlStateStore) -> None:
+        self._admin_token = admin_token
+        self._store = store
+
+    async def __call__(self, token: str | None, method: str) -> Principal:
+        if not token:
+            raise Unauthenticated("this call needs the admin credential: authorization: Bearer <admin token>")
+        if constant_time_equals(token, self._admin_token):
+            return Principal("admin")
+        try:
+            await self._store.authenticate_device(hash_credential(token))
+        except Exception:
+            raise Unauthenticated("the admin credential is wrong") from None
+        raise PermissionDenied("a device credential cannot use the control API")
+
+
+class Coordinator:
+    """The fedlink coordinator service."""
+
+    def __init__(self, settings: CoordinatorSettings, *, clock: Clock | None = None) -> None:
+        self.settings = settings
+        self._clock = clock or SystemClock()
+        self._stack = AsyncExitStack()
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = asyncio.Event()
+        self._metrics_server: MetricsServer | None = None
+        self.telemetry = Telemetry()
+        self.endpoint: Endpoint | None = None
+        self.admin_token = ""
+        self.store: SqlStateStore | None = None
+        self.device_protocol: DeviceProtocol | None = None
+
+    async def __aenter__(self) -> Coordinator:
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop(grace=0)
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        """Opens the store, starts the services and the gRPC server."""
+        s = self.settings
+        s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        store = await create_store(
+            s.db_url,
+            blob_dir=s.blob_dir,
+            clock=self._clock,
+            auto_migrate=s.auto_migrate,
+        )
+        self.store = store
+        self._stack.push_async_callback(store.close)
+        key = await store.get_or_create_signing_key()
+        self.admin_token = resolve_admin_token(s)
+        notifier = LocalTaskNotifier()
+        events = JobEvents(store)
+        owner = f"{socket.gethostname()}:{os.getpid()}"
+        supervisor = JobSupervisor(store, clock=self._clock, notifier=notifier, events=events, owner=owner)
+        device_protocol = DeviceProtocol(
+            store,
+            signer=CookieSigner(key),
+            enrolment_key=hmac.new(key, b"fedlink enrolment", hashlib.sha256).digest(),
+            notifier=notifier,
+            validator=ModelTaskValidator(store.blobs),
+            clock=self._clock,
+            config=DeviceProtocolConfig(
+                lease=s.lease,
+                max_task_wait=s.max_task_wait,
+                default_task_wait=s.default_task_wait,
+                inline_payload_bytes=s.inline_payload_bytes,
+                join_secret=resolve_join_secret(s),
+            ),
+            listener=_Listener(supervisor),
+        )
+        self.device_protocol = device_protocol
+        device_auth = _DeviceAuth(device_protocol, asyncio.get_running_loop().time)
+        control_protocol = ControlProtocol(
+            store,
+            events=events,
+            notifier=notifier,
+            on_job_change=supervisor.poke,
+            on_device_revoked=device_auth.evict,
+            max_model_bytes=2 * 1024**3,
+        )
+        maintenance = Maintenance(
+            store,
+            clock=self._clock,
+            notifier=notifier,
+            drain_seen=device_protocol.drain_seen,
+            on_job_change=supervisor.poke,
+            interval=s.reaper_interval,
+            offline_after=s.device_offline_after,
+        )
+        self._tasks = [
+            asyncio.create_task(supervisor.serve(), name="job-supervisor"),
+            asyncio.create_task(maintenance.serve(), name="maintenance"),
+        ]
+        self._notifier = notifier
+        server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", s.max_message_bytes),
+                ("grpc.max_send_message_length", s.max_message_bytes),
+            ]
+        )
+        server.add_generic_rpc_handlers(
+            (
+                method_handlers(
+                    RUNNER_SERVICE,
+                    RunnerServicer(device_protocol, store.blobs, max_blob_bytes=2 * 1024**3),
+                    device_auth,
+                    self.telemetry,
+                ),
+                method_handlers(
+                    CONTROL_SERVICE,
+                    ControlServicer(
+                        control_protocol,
+                        store.blobs,
+                        max_model_bytes=2 * 1024**3,
+                        default_keep=s.keep_checkpoints,
+                    ),
+                    _AdminAuth(self.admin_token, store),
+                    self.telemetry,
+                ),
+            )
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (
+                RUNNER_SERVICE.full_name,
+                CONTROL_SERVICE.full_name,
+                reflection.SERVICE_NAME,
+                health.SERVICE_NAME,
+            ),
+            server,
+        )
+        ca_cert: Path | None = None
+        if s.insecure:
+            port = server.add_insecure_port(s.listen_address)
+        else:
+            if s.tls_cert is not None and s.tls_key is not None:
+                cert, key_path = s.tls_cert, s.tls_key
+            else:
+                material = ensure_self_signed(s.tls_dir, s.tls_hostnames)
+                cert, key_path, ca_cert = material.cert_path, material.key_path, material.ca_cert_path
+            port = server.add_secure_port(
+                s.listen_address, load_server_credentials(cert, key_path, s.tls_client_ca)
+            )
+        if port == 0:
+            raise OSError(f"cannot listen on {s.listen_address}")
+        await server.start()
+        self._server = server
+        host = s.listen_address.rsplit(":", 1)[0]
+        self.endpoint = Endpoint(address=f"{host}:{port}", port=port, ca_cert=ca_cert, insecure=s.insecure)
+        if s.metrics_address:
+            self._metrics_server = self.telemetry.start_http_server(s.metrics_address)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("coordinator listening", extra={"address": self.endpoint.address})
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", RUNNER_SERVICE.full_name, CONTROL_SERVICE.full_name):
+            result = self._health.set(name, status)
+            if asyncio.iscoroutine(result):
+                await result
+
+    async def wait_closed(self) -> None:
+        """Waits until :meth:`stop` finished."""
+        await self._closed.wait()
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stops gracefully: NOT_SERVING, no new tasks, in-flight calls finish within the grace period."""
+        if self._closed.is_set():
+            return
+        grace_s = self.settings.shutdown_grace.total_seconds() if grace is None else grace
+        try:
+            if self._server is not None:
+                await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+                if self.device_protocol is not None:
+                    self.device_protocol.stop_accepting()
+                await self._server.stop(grace_s)
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            if self._metrics_server is not None:
+                self._metrics_server.stop()
+            await self._stack.aclose()
+        finally:
+            self._closed.set()

@@ -1,0 +1,1 @@
+"""Background services of the coordinator: the job supervisor and maintenance loops."""

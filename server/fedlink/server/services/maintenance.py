@@ -1,0 +1,62 @@
+"""Periodic upkeep: expire leases, record devices seen, mark silent devices offline."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+
+from fedlink.server.domain import Clock
+from fedlink.server.protocol.notify import TaskNotifier
+from fedlink.server.store import StateStore
+
+log = logging.getLogger(__name__)
+
+
+class Maintenance:
+    """Runs the coordinator's upkeep loops; each survives a failing store call and tries again."""
+
+    def __init__(
+        self,
+        store: StateStore,
+        *,
+        clock: Clock,
+        notifier: TaskNotifier,
+        drain_seen: Callable[[], set[str]],
+        on_job_change: Callable[[str], None],
+        interval: timedelta,
+        offline_after: timedelta,
+    ) -> None:
+        self._store = store
+        self._clock = clock
+        self._notifier = notifier
+        self._drain_seen = drain_seen
+        self._on_job_change = on_job_change
+        self._interval = interval.total_seconds()
+        self._offline_after = offline_after
+
+    async def serve(self) -> None:
+        """Runs until cancelled."""
+        ticks = 0
+        while True:
+            try:
+                await self.tick(mark_offline=ticks % 10 == 0)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("maintenance tick failed; retrying")
+            ticks += 1
+            await asyncio.sleep(self._interval)
+
+    async def tick(self, *, mark_offline: bool = True) -> None:
+        """One round of upkeep."""
+        now = self._clock.now()
+        seen = self._drain_seen()
+        if seen:
+            await self._store.touch_devices(sorted(seen), now)
+        for job_id in {a.job_id for a in await self._store.expire_leases(now)}:
+            self._on_job_change(job_id)  # the workflow may hand the task to another device
+            self._notifier.notify(job_id)
+        if mark_offline:
+            await self._store.mark_offline(now - self._offline_after)

@@ -1,0 +1,165 @@
+"""Starts, resumes and stops the workflow driver of every live job.
+
+Which coordinator drives a run is a lease recorded in the store, renewed while the driver runs; a
+restarted coordinator (or, later, another replica) takes over a run whose lease ran out and resumes it
+from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import timedelta
+
+from fedlink.common.errors import FedlinkError, InvalidArgument, NotFound
+from fedlink.server.domain import Clock, Job, JobState, Run, RunLeaseHeld, RunState, is_final
+from fedlink.server.protocol.events import JobEvents
+from fedlink.server.protocol.notify import TaskNotifier
+from fedlink.server.store import StateStore
+from fedlink.server.workflows.base import Progress, WorkflowContext, workflow_name
+from fedlink.server.workflows.fedavg import FedAvg, FedAvgParams
+
+log = logging.getLogger(__name__)
+
+
+class JobSupervisor:
+    """Keeps one driver task per pending or running job of this coordinator."""
+
+    def __init__(
+        self,
+        store: StateStore,
+        *,
+        clock: Clock,
+        notifier: TaskNotifier,
+        events: JobEvents,
+        owner: str,
+        run_lease: timedelta = timedelta(seconds=30),
+        scan_seconds: float = 2.0,
+        poll_seconds: float = 1.0,
+    ) -> None:
+        self._store = store
+        self._clock = clock
+        self._notifier = notifier
+        self._events = events
+        self._owner = owner
+        self._run_lease = run_lease
+        self._scan_seconds = scan_seconds
+        self._poll_seconds = poll_seconds
+        self._drivers: dict[str, asyncio.Task[None]] = {}
+        self._progress: dict[str, Progress] = {}
+        self._wake = asyncio.Event()
+
+    def poke(self, job_id: str) -> None:
+        """Tells the job's driver that something happened (a result, an expiry, an abort)."""
+        progress = self._progress.get(job_id)
+        if progress is not None:
+            progress.poke()
+        self._wake.set()
+
+    async def serve(self) -> None:
+        """Scans for live jobs and keeps their drivers running until cancelled."""
+        try:
+            while True:
+                await self._scan()
+                try:
+                    async with asyncio.timeout(self._scan_seconds):
+                        await self._wake.wait()
+                except TimeoutError:
+                    pass
+                self._wake.clear()
+        finally:
+            drivers = list(self._drivers.values())
+            for task in drivers:
+                task.cancel()
+            await asyncio.gather(*drivers, return_exceptions=True)
+
+    async def _scan(self) -> None:
+        for state in (JobState.RUNNING, JobState.PENDING):
+            token = ""
+            while True:
+                page = await self._store.list_jobs(page_size=200, page_token=token, state=state)
+                for job in page.items:
+                    if job.job_id not in self._drivers:
+                        self._start(job)
+                token = page.next_page_token
+                if not token:
+                    break
+        for job_id, task in list(self._drivers.items()):
+            if task.done():
+                del self._drivers[job_id]
+                self._progress.pop(job_id, None)
+                continue
+            job = await self._store.get_job(job_id)
+            if is_final(job.state):  # aborted by an operator (possibly on another replica)
+                task.cancel()
+
+    def _start(self, job: Job) -> None:
+        self._progress[job.job_id] = Progress()
+        self._drivers[job.job_id] = asyncio.create_task(self._drive(job), name=f"job-{job.job_id}")
+
+    async def _drive(self, job: Job) -> None:
+        try:
+            run = await self._acquire_run(job)
+        except RunLeaseHeld:
+            return  # another coordinator drives it
+        renewer = asyncio.create_task(self._renew(run))
+        try:
+            if job.state is JobState.PENDING:
+                job = await self._store.set_job_state(job.job_id, JobState.RUNNING)
+                await self._events.state_changed(job, JobState.RUNNING)
+            params = _params(job)
+            ctx = WorkflowContext(
+                store=self._store,
+                clock=self._clock,
+                notifier=self._notifier,
+                progress=self._progress[job.job_id],
+                events=self._events,
+                job=job,
+                run=run,
+            )
+            await FedAvg(params, poll_seconds=self._poll_seconds).run(ctx)
+            await self._finish(job, run, JobState.FINISHED, RunState.FINISHED, "")
+            log.info("job finished", extra={"job_id": job.job_id})
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            message = exc.message if isinstance(exc, FedlinkError) else f"{type(exc).__name__}: {exc}"
+            if not isinstance(exc, FedlinkError):
+                log.exception("workflow of job %s failed", job.job_id)
+            await self._finish(job, run, JobState.FAILED, RunState.FAILED, message)
+        finally:
+            renewer.cancel()
+            self._notifier.notify(job.job_id)  # long polls of this job answer DONE now
+
+    async def _finish(self, job: Job, run: Run, state: JobState, run_state: RunState, message: str) -> None:
+        current = await self._store.get_job(job.job_id)
+        if is_final(current.state):
+            return
+        await self._store.cancel_job_tasks(job.job_id)
+        await self._store.finish_run(run.run_id, run_state, message)
+        job = await self._store.set_job_state(job.job_id, state, message)
+        await self._events.state_changed(job, state, message)
+
+    async def _acquire_run(self, job: Job) -> Run:
+        now = self._clock.now()
+        try:
+            run = await self._store.get_current_run(job.job_id)
+        except NotFound:
+            return await self._store.create_run(job.job_id, owner=self._owner, now=now, lease=self._run_lease)
+        return await self._store.acquire_run_lease(
+            run.run_id, owner=self._owner, now=now, lease=self._run_lease
+        )
+
+    async def _renew(self, run: Run) -> None:
+        while True:
+            await asyncio.sleep(self._run_lease.total_seconds() / 3)
+            await self._store.acquire_run_lease(
+                run.run_id, owner=self._owner, now=self._clock.now(), lease=self._run_lease
+            )
+
+
+def _params(job: Job) -> FedAvgParams:
+    name = workflow_name(job.spec_json)
+    if name != "fedavg":
+        raise InvalidArgument(f"job {job.job_id} names unknown workflow {name!r}")
+    return FedAvgParams.from_spec_json(job.spec_json)
