@@ -42,7 +42,7 @@ def read_tensor(tensor: dxo_pb2.Tensor) -> np.ndarray:
 Metadata = tuple[tuple[str, str], ...]
 
 
-async def upload_model(control: cgrpc.ControlServiceStub, dxo: dxo_pb2.Dxo, metadata: Metadata) -> str:
+async def upload_model(control: cgrpc.ControlServiceAsyncStub, dxo: dxo_pb2.Dxo, metadata: Metadata) -> str:
     data = dxo.SerializeToString(deterministic=True)
     sha = hashlib.sha256(data).hexdigest()
 
@@ -53,16 +53,16 @@ async def upload_model(control: cgrpc.ControlServiceStub, dxo: dxo_pb2.Dxo, meta
         for start in range(0, len(data), 64 * 1024):
             yield cpb.UploadModelRequest(chunk=data[start : start + 64 * 1024])
 
-    reply = await control.UploadModel(parts(), metadata=metadata)  # type: ignore[misc]
+    reply = await control.UploadModel(parts(), metadata=metadata)
     assert reply.model.sha256 == sha
     return sha
 
 
 async def download_model(
-    control: cgrpc.ControlServiceStub, job_id: str, metadata: Metadata, round: int = 0
+    control: cgrpc.ControlServiceAsyncStub, job_id: str, metadata: Metadata, round: int = 0
 ) -> dxo_pb2.Dxo:
     stream = control.DownloadModel(cpb.DownloadModelRequest(job_id=job_id, round=round), metadata=metadata)
-    chunks = [c.data async for c in stream]  # type: ignore[attr-defined]
+    chunks = [c.data async for c in stream]
     return dxo_pb2.Dxo.FromString(b"".join(chunks))
 
 
@@ -70,12 +70,12 @@ class StubDevice:
     """A device speaking RunnerService through the generated stubs, nothing of fedlink's runner."""
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
-        self.stub = rgrpc.RunnerServiceStub(channel)
+        self.stub: rgrpc.RunnerServiceAsyncStub = rgrpc.RunnerServiceStub(channel)
         self.device_id = ""
         self.metadata: Metadata = ()
 
     async def enroll(self, *, join_secret: str = "", info: dict[str, str] | None = None) -> StubDevice:
-        reply = await self.stub.Enroll(  # type: ignore[misc]
+        reply = await self.stub.Enroll(
             rpb.EnrollRequest(
                 join_secret=join_secret,
                 device_info=info or {"platform": "test"},
@@ -89,12 +89,12 @@ class StubDevice:
 
     async def get_job(self, name: str = "") -> rpb.GetJobResponse:
         request = rpb.GetJobRequest(job_name=name, protocol_version="1.0")
-        return await self.stub.GetJob(request, metadata=self.metadata)  # type: ignore[no-any-return,misc]
+        return await self.stub.GetJob(request, metadata=self.metadata)
 
     async def get_task(self, job_id: str, cookie: bytes = b"", wait_s: float = 5.0) -> rpb.GetTaskResponse:
         request = rpb.GetTaskRequest(job_id=job_id, cookie=cookie)
         request.wait_timeout.FromMilliseconds(int(wait_s * 1000))
-        return await self.stub.GetTask(request, metadata=self.metadata)  # type: ignore[no-any-return,misc]
+        return await self.stub.GetTask(request, metadata=self.metadata)
 
     async def report(
         self,
@@ -114,4 +114,4 @@ class StubDevice:
         )
         if dxo is not None:
             request.result.dxo.CopyFrom(dxo)
-        return await self.stub.ReportResult(request, metadata=self.metadata)  # type: ignore[no-any-return,misc]
+        return await self.stub.ReportResult(request, metadata=self.metadata)

@@ -66,21 +66,21 @@ async def test_fedavg_two_rounds_gives_the_exact_weighted_average(coordinator: C
     admin = (("authorization", f"Bearer {coordinator.admin_token}"),)
     initial = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(3, np.float32)}
     async with grpc.aio.insecure_channel(coordinator.endpoint.address) as channel:
-        control = cgrpc.ControlServiceStub(channel)
+        control: cgrpc.ControlServiceAsyncStub = cgrpc.ControlServiceStub(channel)
         devices = [await StubDevice(channel).enroll() for _ in range(3)]
         sha = await upload_model(control, weights_dxo(initial), admin)
         spec = cpb.JobSpec(name="e2e", initial_model=dxo_pb2.BlobRef(sha256=sha))
         spec.fedavg.num_rounds = 2
         spec.fedavg.seed = 7
         spec.fedavg.round_timeout.FromSeconds(30)
-        submitted = await control.SubmitJob(cpb.SubmitJobRequest(spec=spec, request_id="r-1"), metadata=admin)  # type: ignore[misc]
+        submitted = await control.SubmitJob(cpb.SubmitJobRequest(spec=spec, request_id="r-1"), metadata=admin)
         job_id = submitted.job.job_id
         seen: list[tuple[str, int]] = []
         index_of = {d.device_id: i for i, d in enumerate(devices)}
         await asyncio.wait_for(
             asyncio.gather(*(_device_loop(d, i, seen) for i, d in enumerate(devices))), timeout=60
         )
-        described = await control.DescribeJob(cpb.DescribeJobRequest(job_id=job_id), metadata=admin)  # type: ignore[misc]
+        described = await control.DescribeJob(cpb.DescribeJobRequest(job_id=job_id), metadata=admin)
         assert described.job.state == states_pb2.JOB_STATE_FINISHED, described.job.message
         assert described.job.current_round == 2
         final = await download_model(control, job_id, admin)
