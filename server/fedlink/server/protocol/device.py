@@ -45,6 +45,8 @@ from fedlink.server.protocol.notify import TaskNotifier
 from fedlink.server.protocol.results import ResultValidator
 from fedlink.server.store import ClaimRequest, RecordOutcome, ResultReport, StateStore
 
+#: Task payloads kept in memory (a few global models: the current round's and the last ones).
+_PAYLOAD_CACHE = 4
 _FINAL_JOB_STATES = frozenset({JobState.FINISHED, JobState.FAILED, JobState.ABORTED})
 
 
@@ -207,6 +209,7 @@ class DeviceProtocol:
         self._claims: Batcher[ClaimRequest, Assignment | None] = Batcher(self._claim_batch)
         self._reports: Batcher[ResultReport, RecordOutcome] = Batcher(self._report_batch)
         self._seen: set[str] = set()
+        self._payloads: dict[str, TaskPayload] = {}
         self._accepting = True
 
     # ---- lifecycle ----
@@ -338,19 +341,27 @@ class DeviceProtocol:
 
     async def _task_reply(self, device: Device, job_id: str, assignment: Assignment) -> TaskReply:
         task = await self._store.get_task(assignment.task_id)
-        payload: TaskPayload | None = None
-        if task.payload_sha256 is not None:
-            blob = await self._store.blobs.stat(task.payload_sha256)
-            inline = None
-            if blob.size_bytes <= self._config.inline_payload_bytes:
-                inline = await self._store.blobs.read(task.payload_sha256)
-            payload = TaskPayload(sha256=blob.sha256, size_bytes=blob.size_bytes, inline=inline)
+        payload = None if task.payload_sha256 is None else await self._payload(task.payload_sha256)
         cookie = self._signer.sign(
             Cookie(device_id=device.device_id, job_id=job_id, assignment_id=assignment.assignment_id)
         )
         return TaskReply(
             status=DeviceStatus.OK, task=task, assignment=assignment, payload=payload, cookie=cookie
         )
+
+    async def _payload(self, sha256: str) -> TaskPayload:
+        # Every device of a round gets the same model: read it from the blob store once.
+        payload = self._payloads.get(sha256)
+        if payload is None:
+            blob = await self._store.blobs.stat(sha256)
+            inline = None
+            if blob.size_bytes <= self._config.inline_payload_bytes:
+                inline = await self._store.blobs.read(sha256)
+            payload = TaskPayload(sha256=blob.sha256, size_bytes=blob.size_bytes, inline=inline)
+            if len(self._payloads) >= _PAYLOAD_CACHE:
+                self._payloads.pop(next(iter(self._payloads)))
+            self._payloads[sha256] = payload
+        return payload
 
     async def _held_assignment(self, device: Device, job_id: str, task_id: str, cookie: bytes) -> Assignment:
         if not cookie:
