@@ -29,11 +29,15 @@ from fedlink.server.domain import (
 from fedlink.server.store import rows
 from fedlink.server.store.core import StoreCore
 from fedlink.server.store.protocol import ClaimRequest, NewTask
-from fedlink.server.store.schema import assignments, task_targets, tasks
+from fedlink.server.store.schema import assignments, state_is, task_targets, tasks
 
-_ACTIVE = [state.value for state in ACTIVE_ASSIGNMENT_STATES]
 _LEASED = AssignmentState.LEASED.value
 _OPEN = TaskState.OPEN.value
+# Literal predicates matching the partial indexes in schema.py (same states, same order).
+_ACTIVE_SQL = state_is(assignments.c.state, "LEASED", "COMPLETED")
+_LEASED_SQL = state_is(assignments.c.state, "LEASED")
+_OPEN_SQL = state_is(tasks.c.state, "OPEN")
+assert {AssignmentState.LEASED, AssignmentState.COMPLETED} == ACTIVE_ASSIGNMENT_STATES
 # How many candidate tasks one look fetches, and how many looks a claim may take when it keeps
 # losing races; each lost race means another device got a task, so the system makes progress.
 _CANDIDATES = 8
@@ -128,7 +132,7 @@ class ClaimQueries(StoreCore):
         async def work(conn: AsyncConnection) -> int:
             statement = (
                 sa.update(tasks)
-                .where(tasks.c.job_id == job_id, tasks.c.state == _OPEN)
+                .where(tasks.c.job_id == job_id, _OPEN_SQL)
                 .values(state=TaskState.CANCELLED.value)
             )
             return (await conn.execute(statement)).rowcount
@@ -203,7 +207,7 @@ class ClaimQueries(StoreCore):
             updated = (
                 await conn.execute(
                     sa.update(assignments)
-                    .where(assignments.c.assignment_id == assignment_id, assignments.c.state == _LEASED)
+                    .where(assignments.c.assignment_id == assignment_id, _LEASED_SQL)
                     .values(**values)
                     .returning(assignments)
                 )
@@ -220,7 +224,7 @@ class ClaimQueries(StoreCore):
         async def work(conn: AsyncConnection) -> Sequence[Assignment]:
             expired = await conn.execute(
                 sa.update(assignments)
-                .where(assignments.c.state == _LEASED, assignments.c.lease_expires_at <= now)
+                .where(_LEASED_SQL, assignments.c.lease_expires_at <= now)
                 .values(state=AssignmentState.EXPIRED.value)
                 .returning(assignments)
             )
@@ -243,7 +247,7 @@ def _may_take(device_id: str) -> sa.ColumnElement[bool]:
 def _active_count() -> sa.ScalarSelect[int]:
     return (
         sa.select(sa.func.count())
-        .where(assignments.c.task_id == tasks.c.task_id, assignments.c.state.in_(_ACTIVE))
+        .where(assignments.c.task_id == tasks.c.task_id, _ACTIVE_SQL)
         .scalar_subquery()
     )
 
@@ -257,9 +261,9 @@ async def _claim_one(
         .where(
             assignments.c.device_id == request.device_id,
             assignments.c.job_id == request.job_id,
-            assignments.c.state == _LEASED,
+            _LEASED_SQL,
             assignments.c.lease_expires_at > now,
-            tasks.c.state == _OPEN,
+            _OPEN_SQL,
             tasks.c.deadline > now,
         )
         .order_by(assignments.c.created_at)
@@ -269,7 +273,7 @@ async def _claim_one(
         sa.select(tasks.c.task_id, tasks.c.slots)
         .where(
             tasks.c.job_id == request.job_id,
-            tasks.c.state == _OPEN,
+            _OPEN_SQL,
             tasks.c.deadline > now,
             _may_take(request.device_id),
             _active_count() < tasks.c.slots,
@@ -288,9 +292,7 @@ async def _claim_one(
             used = set(
                 (
                     await conn.execute(
-                        sa.select(assignments.c.slot).where(
-                            assignments.c.task_id == task_id, assignments.c.state.in_(_ACTIVE)
-                        )
+                        sa.select(assignments.c.slot).where(assignments.c.task_id == task_id, _ACTIVE_SQL)
                     )
                 ).scalars()
             )

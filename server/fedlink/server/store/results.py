@@ -14,7 +14,7 @@ from fedlink.server.domain import AssignmentState, ReportOutcome, Result, Result
 from fedlink.server.store import rows
 from fedlink.server.store.core import StoreCore
 from fedlink.server.store.protocol import RecordOutcome, ResultReport
-from fedlink.server.store.schema import assignments, results, tasks
+from fedlink.server.store.schema import assignments, results, state_is, tasks
 
 _LEASED = AssignmentState.LEASED.value
 # A report loses a race only to another report or the lease reaper; each loss settles the assignment.
@@ -104,7 +104,8 @@ class ResultQueries(StoreCore):
                 moved = await conn.execute(
                     sa.update(assignments)
                     .where(
-                        assignments.c.assignment_id == report.assignment_id, assignments.c.state == _LEASED
+                        assignments.c.assignment_id == report.assignment_id,
+                        state_is(assignments.c.state, _LEASED),
                     )
                     .values(state=target.value)
                 )

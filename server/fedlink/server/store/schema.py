@@ -45,6 +45,16 @@ class UtcDateTime(sa.TypeDecorator[datetime]):
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
+def state_is(column: sa.ColumnElement[str], *states: str) -> sa.ColumnElement[bool]:
+    """A state test with the states as SQL literals, in the order given.
+
+    The planners use a partial index only when the query's predicate matches the index's: a bound
+    parameter hides the value (SQLite, PostgreSQL generic plans), and SQLite wants the same IN list.
+    """
+    literals: list[sa.ColumnElement[str]] = [sa.literal_column(f"'{state}'") for state in states]
+    return column == literals[0] if len(literals) == 1 else column.in_(literals)
+
+
 def _id(name: str, *args: Any, **kwargs: Any) -> sa.Column[str]:
     return sa.Column(name, sa.String(32), *args, **kwargs)
 
