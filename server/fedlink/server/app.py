@@ -9,11 +9,7 @@ the services stop and the store closes.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
-import os
-import socket
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,23 +24,17 @@ from fedlink.common.errors import PermissionDenied, Unauthenticated
 from fedlink.server.api.control_servicer import ControlServicer
 from fedlink.server.api.rpc import Principal, method_handlers
 from fedlink.server.api.runner_servicer import RunnerServicer
+from fedlink.server.core import CoordinatorCore
 from fedlink.server.credentials import (
     constant_time_equals,
     hash_credential,
     resolve_admin_token,
     resolve_join_secret,
 )
-from fedlink.server.domain import Clock, Device, SystemClock, Task
-from fedlink.server.protocol.control import ControlProtocol
-from fedlink.server.protocol.cookies import CookieSigner
-from fedlink.server.protocol.device import DeviceProtocol, DeviceProtocolConfig, ResultListener
-from fedlink.server.protocol.events import JobEvents
-from fedlink.server.protocol.notify import LocalTaskNotifier
-from fedlink.server.protocol.results import ModelTaskValidator
-from fedlink.server.services.maintenance import Maintenance
-from fedlink.server.services.supervisor import JobSupervisor
+from fedlink.server.domain import Clock, Device, SystemClock
+from fedlink.server.protocol.device import DeviceProtocol
 from fedlink.server.settings import CoordinatorSettings
-from fedlink.server.store.sql import SqlStateStore, create_store
+from fedlink.server.store.sql import SqlStateStore
 from fedlink.server.telemetry import MetricsServer, Telemetry
 from fedlink.server.tls import ensure_self_signed, load_server_credentials
 from fedlink.v1 import control_service_pb2, runner_service_pb2
@@ -65,14 +55,6 @@ class Endpoint:
     #: The CA certificate clients must trust (self-signed setup), or None.
     ca_cert: Path | None
     insecure: bool
-
-
-class _Listener(ResultListener):
-    def __init__(self, supervisor: JobSupervisor) -> None:
-        self._supervisor = supervisor
-
-    def result_recorded(self, job_id: str, task: Task) -> None:
-        self._supervisor.poke(job_id)
 
 
 class _DeviceAuth:
@@ -136,12 +118,12 @@ class Coordinator:
         self._stack = AsyncExitStack()
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
-        self._tasks: list[asyncio.Task[None]] = []
         self._closed = asyncio.Event()
         self._metrics_server: MetricsServer | None = None
         self.telemetry = Telemetry()
         self.endpoint: Endpoint | None = None
         self.admin_token = ""
+        self.core: CoordinatorCore | None = None
         self.store: SqlStateStore | None = None
         self.device_protocol: DeviceProtocol | None = None
 
@@ -161,61 +143,17 @@ class Coordinator:
     async def start(self) -> None:
         """Opens the store, starts the services and the gRPC server."""
         s = self.settings
-        s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        store = await create_store(
-            s.db_url,
-            blob_dir=s.blob_dir,
-            clock=self._clock,
-            auto_migrate=s.auto_migrate,
-        )
+        core = CoordinatorCore(s, clock=self._clock, join_secret=resolve_join_secret(s))
+        self.core = core
+        self._stack.push_async_callback(core.stop)
+        await core.start()
+        store = core.store
         self.store = store
-        self._stack.push_async_callback(store.close)
-        key = await store.get_or_create_signing_key()
+        self.device_protocol = core.device_protocol
         self.admin_token = resolve_admin_token(s)
-        notifier = LocalTaskNotifier()
-        events = JobEvents(store)
-        owner = f"{socket.gethostname()}:{os.getpid()}"
-        supervisor = JobSupervisor(store, clock=self._clock, notifier=notifier, events=events, owner=owner)
-        device_protocol = DeviceProtocol(
-            store,
-            signer=CookieSigner(key),
-            enrolment_key=hmac.new(key, b"fedlink enrolment", hashlib.sha256).digest(),
-            notifier=notifier,
-            validator=ModelTaskValidator(store.blobs),
-            clock=self._clock,
-            config=DeviceProtocolConfig(
-                lease=s.lease,
-                max_task_wait=s.max_task_wait,
-                default_task_wait=s.default_task_wait,
-                inline_payload_bytes=s.inline_payload_bytes,
-                join_secret=resolve_join_secret(s),
-            ),
-            listener=_Listener(supervisor),
-        )
-        self.device_protocol = device_protocol
-        device_auth = _DeviceAuth(device_protocol, asyncio.get_running_loop().time)
-        control_protocol = ControlProtocol(
-            store,
-            events=events,
-            notifier=notifier,
-            on_job_change=supervisor.poke,
-            on_device_revoked=device_auth.evict,
-            max_model_bytes=2 * 1024**3,
-        )
-        maintenance = Maintenance(
-            store,
-            clock=self._clock,
-            notifier=notifier,
-            drain_seen=device_protocol.drain_seen,
-            on_job_change=supervisor.poke,
-            interval=s.reaper_interval,
-            offline_after=s.device_offline_after,
-        )
-        self._tasks = [
-            asyncio.create_task(supervisor.serve(), name="job-supervisor"),
-            asyncio.create_task(maintenance.serve(), name="maintenance"),
-        ]
-        self._notifier = notifier
+        device_auth = _DeviceAuth(core.device_protocol, asyncio.get_running_loop().time)
+        core.on_device_revoked.append(device_auth.evict)
+        device_protocol, control_protocol = core.device_protocol, core.control_protocol
         server = grpc.aio.server(
             options=[
                 ("grpc.so_reuseport", 0),
@@ -298,9 +236,6 @@ class Coordinator:
                 if self.device_protocol is not None:
                     self.device_protocol.stop_accepting()
                 await self._server.stop(grace_s)
-            for task in self._tasks:
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
             if self._metrics_server is not None:
                 self._metrics_server.stop()
             await self._stack.aclose()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -80,6 +81,15 @@ async def server() -> AsyncIterator[tuple[str, _Impl, _Observer]]:
     await srv.stop(None)
 
 
+async def _observed(observer: _Observer, count: int) -> list[tuple[str, grpc.StatusCode]]:
+    """The observations once ``count`` calls finished (the server records after the reply is sent)."""
+    for _ in range(200):
+        if len(observer.seen) >= count:
+            break
+        await asyncio.sleep(0.005)
+    return observer.seen
+
+
 def _meta(token: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),)
 
@@ -93,7 +103,7 @@ async def test_bytes_that_are_not_protobuf_get_invalid_argument(server: tuple[st
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "not a valid protobuf" in (info.value.details() or "")
     assert impl.calls == []
-    assert observer.seen == [("GetJob", grpc.StatusCode.INVALID_ARGUMENT)]
+    assert await _observed(observer, 1) == [("GetJob", grpc.StatusCode.INVALID_ARGUMENT)]
 
 
 @pytest.mark.parametrize(
@@ -118,7 +128,7 @@ async def test_errors_map_to_precise_codes(
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub(pb.GetJobRequest(job_name=job_name), metadata=_meta(token))
     assert info.value.code() == code
-    assert observer.seen == [("GetJob", code)]
+    assert await _observed(observer, 1) == [("GetJob", code)]
 
 
 async def test_identity_comes_from_the_credential(server: tuple[str, _Impl, _Observer]) -> None:
@@ -134,7 +144,10 @@ async def test_identity_comes_from_the_credential(server: tuple[str, _Impl, _Obs
             await stub(pb.GetJobRequest(job_name="ok"))
     assert reply.job_name == "dev-7"
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert observer.seen == [("GetJob", grpc.StatusCode.OK), ("GetJob", grpc.StatusCode.UNAUTHENTICATED)]
+    assert await _observed(observer, 2) == [
+        ("GetJob", grpc.StatusCode.OK),
+        ("GetJob", grpc.StatusCode.UNAUTHENTICATED),
+    ]
 
 
 async def test_streams_are_guarded_too(server: tuple[str, _Impl, _Observer]) -> None:
@@ -159,7 +172,7 @@ async def test_streams_are_guarded_too(server: tuple[str, _Impl, _Observer]) -> 
                 got.append(item.offset)
         assert got == [0, 1, 2]
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
-    assert observer.seen == [
+    assert await _observed(observer, 2) == [
         ("UploadBlob", grpc.StatusCode.INVALID_ARGUMENT),
         ("DownloadBlob", grpc.StatusCode.NOT_FOUND),
     ]

@@ -1,0 +1,166 @@
+"""The coordinator without its network front: store, protocols, job supervisor and upkeep loops.
+
+:class:`~fedlink.server.app.Coordinator` puts gRPC in front of it; the simulation drives the same core
+in-process, so both run exactly the same workflow, store and protocol code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import os
+import socket
+from collections.abc import Callable
+from types import TracebackType
+
+from fedlink.server.domain import Clock, SystemClock, Task
+from fedlink.server.protocol.control import ControlProtocol
+from fedlink.server.protocol.cookies import CookieSigner
+from fedlink.server.protocol.device import DeviceProtocol, DeviceProtocolConfig, ResultListener
+from fedlink.server.protocol.events import JobEvents
+from fedlink.server.protocol.notify import LocalTaskNotifier
+from fedlink.server.protocol.results import ModelTaskValidator
+from fedlink.server.services.maintenance import Maintenance
+from fedlink.server.services.supervisor import JobSupervisor
+from fedlink.server.settings import CoordinatorSettings
+from fedlink.server.store.sql import SqlStateStore, create_store
+
+#: Largest model (initial or uploaded blob) the coordinator accepts.
+MAX_MODEL_BYTES = 2 * 1024**3
+
+
+class _PokeSupervisor(ResultListener):
+    def __init__(self, supervisor: JobSupervisor) -> None:
+        self._supervisor = supervisor
+
+    def result_recorded(self, job_id: str, task: Task) -> None:
+        self._supervisor.poke(job_id)
+
+
+class CoordinatorCore:
+    """Everything of the coordinator but the network: ``async with CoordinatorCore(settings) as core``."""
+
+    def __init__(
+        self,
+        settings: CoordinatorSettings,
+        *,
+        clock: Clock | None = None,
+        join_secret: str | None = None,
+        supervisor_poll_seconds: float = 1.0,
+    ) -> None:
+        self.settings = settings
+        self.clock: Clock = clock or SystemClock()
+        self._join_secret = join_secret
+        self._poll = supervisor_poll_seconds
+        self._tasks: list[asyncio.Task[None]] = []
+        self._store: SqlStateStore | None = None
+        self._device: DeviceProtocol | None = None
+        self._control: ControlProtocol | None = None
+        #: Called with a device id when an operator revokes it (e.g. to evict credential caches).
+        self.on_device_revoked: list[Callable[[str], None]] = []
+
+    @property
+    def store(self) -> SqlStateStore:
+        """The state store (after :meth:`start`)."""
+        assert self._store is not None, "CoordinatorCore.start() first"
+        return self._store
+
+    @property
+    def device_protocol(self) -> DeviceProtocol:
+        """The device protocol (after :meth:`start`)."""
+        assert self._device is not None, "CoordinatorCore.start() first"
+        return self._device
+
+    @property
+    def control_protocol(self) -> ControlProtocol:
+        """The control protocol (after :meth:`start`)."""
+        assert self._control is not None, "CoordinatorCore.start() first"
+        return self._control
+
+    async def __aenter__(self) -> CoordinatorCore:
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        """Opens the store and starts the job supervisor and the upkeep loops."""
+        s = self.settings
+        s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        store = await create_store(
+            s.db_url, blob_dir=s.blob_dir, clock=self.clock, auto_migrate=s.auto_migrate
+        )
+        self._store = store
+        key = await store.get_or_create_signing_key()
+        notifier = LocalTaskNotifier()
+        events = JobEvents(store)
+        owner = f"{socket.gethostname()}:{os.getpid()}"
+        supervisor = JobSupervisor(
+            store, clock=self.clock, notifier=notifier, events=events, owner=owner, poll_seconds=self._poll
+        )
+        self.supervisor = supervisor
+        self._device = DeviceProtocol(
+            store,
+            signer=CookieSigner(key),
+            enrolment_key=hmac.new(key, b"fedlink enrolment", hashlib.sha256).digest(),
+            notifier=notifier,
+            validator=ModelTaskValidator(store.blobs),
+            clock=self.clock,
+            config=DeviceProtocolConfig(
+                lease=s.lease,
+                max_task_wait=s.max_task_wait,
+                default_task_wait=s.default_task_wait,
+                inline_payload_bytes=s.inline_payload_bytes,
+                max_result_bytes=MAX_MODEL_BYTES,
+                join_secret=self._join_secret,
+            ),
+            listener=_PokeSupervisor(supervisor),
+        )
+        self._control = ControlProtocol(
+            store,
+            events=events,
+            notifier=notifier,
+            on_job_change=supervisor.poke,
+            on_device_revoked=self._device_revoked,
+            max_model_bytes=MAX_MODEL_BYTES,
+        )
+        maintenance = Maintenance(
+            store,
+            clock=self.clock,
+            notifier=notifier,
+            drain_seen=self._device.drain_seen,
+            on_job_change=supervisor.poke,
+            interval=s.reaper_interval,
+            offline_after=s.device_offline_after,
+        )
+        self._tasks = [
+            asyncio.create_task(supervisor.serve(), name="job-supervisor"),
+            asyncio.create_task(maintenance.serve(), name="maintenance"),
+        ]
+
+    def _device_revoked(self, device_id: str) -> None:
+        for listener in self.on_device_revoked:
+            listener(device_id)
+
+    def stop_accepting(self) -> None:
+        """Stops handing out tasks (the first step of a graceful shutdown)."""
+        if self._device is not None:
+            self._device.stop_accepting()
+
+    async def stop(self) -> None:
+        """Stops the background services and closes the store; safe to call twice."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        store, self._store = self._store, None
+        if store is not None:
+            await store.close()
