@@ -38,9 +38,8 @@ _ACTIVE_SQL = state_is(assignments.c.state, "LEASED", "COMPLETED")
 _LEASED_SQL = state_is(assignments.c.state, "LEASED")
 _OPEN_SQL = state_is(tasks.c.state, "OPEN")
 assert {AssignmentState.LEASED, AssignmentState.COMPLETED} == ACTIVE_ASSIGNMENT_STATES
-# How many candidate tasks one look fetches, and how many looks a claim may take when it keeps
-# losing races; each lost race means another device got a task, so the system makes progress.
-_CANDIDATES = 8
+# How many looks a claim may take when it keeps losing races; each lost race means another device
+# got a task, so the system as a whole makes progress.
 _MAX_LOOKS = 50
 
 
@@ -252,9 +251,35 @@ def _active_count() -> sa.ScalarSelect[int]:
     )
 
 
+def _lowest_free_slot() -> sa.ColumnElement[int]:
+    """The task's lowest slot no active assignment holds (0, or one past a held slot with a gap after it).
+
+    Below ``slots`` whenever fewer than ``slots`` slots are held, which the candidate filter ensures.
+    """
+    held, after = assignments.alias("held"), assignments.alias("after")
+    zero_held = sa.exists().where(
+        held.c.task_id == tasks.c.task_id, state_is(held.c.state, "LEASED", "COMPLETED"), held.c.slot == 0
+    )
+    next_free = (
+        sa.select(sa.func.min(held.c.slot + 1))
+        .where(
+            held.c.task_id == tasks.c.task_id,
+            state_is(held.c.state, "LEASED", "COMPLETED"),
+            ~sa.exists().where(
+                after.c.task_id == held.c.task_id,
+                state_is(after.c.state, "LEASED", "COMPLETED"),
+                after.c.slot == held.c.slot + 1,
+            ),
+        )
+        .scalar_subquery()
+    )
+    return sa.case((~zero_held, 0), else_=next_free)
+
+
 async def _claim_one(
     insert: sa.Insert, conn: AsyncConnection, request: ClaimRequest, now: datetime, lease: timedelta
 ) -> Assignment | None:
+    """Claim for one request in (usually) two statements: the re-delivery check, then INSERT ... SELECT."""
     held_query = (
         sa.select(assignments)
         .join(tasks, tasks.c.task_id == assignments.c.task_id)
@@ -269,8 +294,8 @@ async def _claim_one(
         .order_by(assignments.c.created_at)
         .limit(1)
     )
-    candidates_query = (
-        sa.select(tasks.c.task_id, tasks.c.slots)
+    candidates = (
+        sa.select(tasks.c.task_id)
         .where(
             tasks.c.job_id == request.job_id,
             _OPEN_SQL,
@@ -279,40 +304,36 @@ async def _claim_one(
             _active_count() < tasks.c.slots,
         )
         .order_by(tasks.c.created_at, tasks.c.task_id)
-        .limit(_CANDIDATES)
+        .limit(1)
     )
     for _ in range(_MAX_LOOKS):
         # Checked on every look: a concurrent request of the same device may have won meanwhile.
         if (row := (await conn.execute(held_query)).first()) is not None:
             return rows.assignment(row)
-        candidates = (await conn.execute(candidates_query)).all()
-        if not candidates:
+        pick = candidates.with_only_columns(
+            sa.literal(new_id(), assignments.c.assignment_id.type),
+            tasks.c.task_id,
+            sa.literal(request.job_id, assignments.c.job_id.type),
+            sa.literal(request.device_id, assignments.c.device_id.type),
+            _lowest_free_slot(),
+            sa.literal(_LEASED, assignments.c.state.type),
+            sa.literal(now + lease, assignments.c.lease_expires_at.type),
+            sa.literal(now, assignments.c.created_at.type),
+        )
+        columns = [
+            "assignment_id",
+            "task_id",
+            "job_id",
+            "device_id",
+            "slot",
+            "state",
+            "lease_expires_at",
+            "created_at",
+        ]
+        inserted = (await conn.execute(insert.from_select(columns, pick).returning(assignments))).first()
+        if inserted is not None:
+            return rows.assignment(inserted)
+        # Nothing inserted: either nothing is left, or a concurrent claim took the slot first.
+        if (await conn.execute(candidates)).first() is None:
             return None
-        for task_id, slots in candidates:
-            used = set(
-                (
-                    await conn.execute(
-                        sa.select(assignments.c.slot).where(assignments.c.task_id == task_id, _ACTIVE_SQL)
-                    )
-                ).scalars()
-            )
-            free = next((slot for slot in range(slots) if slot not in used), None)
-            if free is None:
-                continue
-            inserted = (
-                await conn.execute(
-                    insert.values(
-                        assignment_id=new_id(),
-                        task_id=task_id,
-                        job_id=request.job_id,
-                        device_id=request.device_id,
-                        slot=free,
-                        state=_LEASED,
-                        lease_expires_at=now + lease,
-                        created_at=now,
-                    ).returning(assignments)
-                )
-            ).first()
-            if inserted is not None:
-                return rows.assignment(inserted)
     return None
