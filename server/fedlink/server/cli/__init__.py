@@ -6,10 +6,13 @@ import click
 
 
 def server_commands() -> list[click.Command]:
-    """Returns the server-side commands that exist so far (only ``db`` for now).
+    """Returns the server-side commands that exist so far (``serve``, ``job``, ``device``, ``db``).
 
     Commands that are not written yet are left out, rather than listed as stubs that pretend to work.
     """
     from fedlink.server.cli.db import db_group
+    from fedlink.server.cli.devices import device_group
+    from fedlink.server.cli.jobs import job_group
+    from fedlink.server.cli.serve import serve_command
 
-    return [db_group]
+    return [serve_command, job_group, device_group, db_group]
