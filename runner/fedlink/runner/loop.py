@@ -1,0 +1,442 @@
+"""The Runner: NVIDIA FLARE's edge ``FlareRunner`` loop, made real over a :class:`Transport`.
+
+One state machine (the statuses are the proto's ``RunnerStatus``)::
+
+    open ─► GET_JOB ──OK──► GET_TASK ──OK──► TASK ──► REPORT ──OK / STALE──► GET_TASK
+              │  RETRY / NO_JOB: wait retry_after (+ jitter), else backoff; give up after job_timeout ─► end
+              │  DONE ─► end
+                           │  RETRY: wait retry_after (+ jitter) ─► GET_TASK
+                           │  NO_TASK / DONE ─► GET_JOB                         REPORT DONE ─► GET_JOB
+
+* GetJob's DONE (or ``job_timeout`` spent without getting a job) ends the session: :meth:`Runner.run`
+  returns. GetTask's and ReportResult's DONE end the *job*; GetJob then offers the next one (or says
+  DONE, or nothing until the timeout).
+* TASK, in a worker thread (executors are synchronous numpy code): a new :class:`Context` per task
+  (runner, data source, components, handlers, task id/name/data, executor, partition) → app in-filters
+  then job in-filters → ``BEFORE_TRAIN`` → executor → ``AFTER_TRAIN`` → app out-filters then job
+  out-filters. Meanwhile the event loop renews the lease every third of its length.
+* A task that goes wrong — no executor for its name, a bad job config, an executor or filter that
+  raises or returns something that is not a valid DXO — is reported as a FAILED result whose message
+  is the exception's type and text. The daemon never dies of it.
+* :meth:`Runner.stop` stops polling at once; the task in progress gets ``grace`` seconds to finish
+  and be reported, then the abort signal is triggered and the assignment is released. ``stop()``
+  with no grace aborts immediately (NVFlare's behaviour). The signal is checked between every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Final, TypeVar
+
+from fedlink.common.dxo import DXO
+from fedlink.common.errors import FedlinkError, InvalidArgument
+from fedlink.runner.config import JobConfig, ResolverRegistry, process_job_data
+from fedlink.runner.context import Aborted, Context, ContextKey, EventType, Signal
+from fedlink.runner.spec import DataSource, Filter
+from fedlink.runner.transport.backoff import Backoff
+from fedlink.runner.transport.base import ResultReport, Status, TaskOffer, Transport
+
+__all__ = ["Runner", "TaskRecord"]
+
+_log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+#: How long a stopping runner waits for an aborted executor to notice, before releasing anyway.
+_ABORT_WAIT: Final = 5.0
+
+
+class _Stopped(Exception):
+    """Internal: stop() was called while the loop waited."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskRecord:
+    """What happened to one task (also the daemon's one log line per task)."""
+
+    job_id: str
+    task_id: str
+    task_name: str
+    #: SUCCEEDED, FAILED (reported as failed), RELEASED (given back on stop) or ABANDONED (lease lost).
+    outcome: str
+    duration_s: float
+    #: The coordinator's answer to the report or release ("" if none came).
+    ack: str = ""
+    error: str = ""
+
+
+@dataclass(slots=True)
+class _Job:
+    job_id: str
+    name: str
+    config: JobConfig | None
+    config_error: str
+    ctx: Context
+    cookie: bytes = b""
+
+
+class Runner:
+    """Runs jobs for one device until the session is done or :meth:`stop` is called.
+
+    The constructor keeps NVFlare's ``FlareRunner`` signature; ``transport`` says how to reach the
+    coordinator.
+    """
+
+    def __init__(
+        self,
+        job_name: str,
+        data_source: DataSource | None,
+        device_info: dict[str, str],
+        user_info: dict[str, str],
+        job_timeout: float | timedelta,
+        in_filters: Sequence[Filter] | None = None,
+        out_filters: Sequence[Filter] | None = None,
+        resolver_registry: ResolverRegistry | None = None,
+        *,
+        transport: Transport,
+        partition_id: int | None = None,
+        num_partitions: int | None = None,
+        backoff: Backoff | None = None,
+    ) -> None:
+        """Creates a runner.
+
+        Args:
+            job_name: Only jobs with this name; "" for any job the device is eligible for.
+            data_source: The device's data, put in every task's context.
+            device_info: Sent with GetJob (platform, app version, capabilities...).
+            user_info: Sent with GetJob.
+            job_timeout: Job discovery: how long to keep asking for a job before the session ends
+                (seconds or a timedelta; ``math.inf`` for ever).
+            in_filters: App filters applied before the job's in-filters.
+            out_filters: App filters applied before the job's out-filters.
+            resolver_registry: Component types of the app, overriding the built-ins.
+            transport: How to reach the coordinator; the runner opens and closes it.
+            partition_id: This device's data partition, put in the context when given.
+            num_partitions: How many partitions there are (with ``partition_id``).
+            backoff: Waits when the coordinator has nothing and did not say how long to wait.
+        """
+        seconds = job_timeout.total_seconds() if isinstance(job_timeout, timedelta) else float(job_timeout)
+        if not seconds > 0:
+            raise InvalidArgument(f"job_timeout must be positive, got {job_timeout!r}")
+        if (partition_id is None) != (num_partitions is None):
+            raise InvalidArgument("partition_id and num_partitions go together")
+        self.job_name = job_name
+        self.data_source = data_source
+        self.device_info = dict(device_info)
+        self.user_info = dict(user_info)
+        self.job_timeout = seconds
+        self.app_in_filters = tuple(in_filters or ())
+        self.app_out_filters = tuple(out_filters or ())
+        self.resolver_registry = resolver_registry
+        self.transport = transport
+        self.partition = None if partition_id is None else (partition_id, num_partitions)
+        self.backoff = backoff or Backoff(base=timedelta(seconds=1), cap=timedelta(seconds=30))
+        #: Triggered by :meth:`stop` (after the grace period); executors and filters see it.
+        self.abort_signal = Signal()
+        #: Every task this runner finished, oldest first.
+        self.history: list[TaskRecord] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._stop_requested = threading.Event()
+        self._pending_grace: float | None = None
+        self._task_signal: Signal | None = None
+        self._stop_reason = "stopped"
+
+    # ---- the public surface ----
+    def run(self) -> None:
+        """Runs the loop in this thread until the session is done or :meth:`stop` is called."""
+        asyncio.run(self.run_async())
+
+    async def run_async(self) -> None:
+        """The loop itself, on the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        if self._stop_requested.is_set():
+            self._begin_stop(self._pending_grace or 0.0)
+        try:
+            await self._guarded(self.transport.open())
+            while not self._stopping:
+                job = await self._get_job()
+                if job is None:
+                    return
+                await self._do_job(job)
+        except _Stopped:
+            pass
+        finally:
+            await self.transport.close()
+            _log.info("runner stopped", extra={"tasks": len(self.history)})
+
+    def stop(self, grace: float = 0.0, reason: str = "stopped") -> None:
+        """Stops the runner; safe from any thread and from signal handlers.
+
+        Args:
+            grace: Seconds the task in progress may take to finish and be reported before it is
+                aborted and released. 0 aborts at once.
+            reason: Put in the abort signal (executors see it in :class:`Aborted`).
+        """
+        self._stop_requested.set()
+        self._pending_grace = grace
+        self._stop_reason = reason
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return  # run_async picks it up when it starts
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._begin_stop(grace)
+        else:
+            loop.call_soon_threadsafe(self._begin_stop, grace)
+
+    # ---- stopping ----
+    @property
+    def _stopping(self) -> bool:
+        return self._stop_requested.is_set()
+
+    def _begin_stop(self, grace: float) -> None:
+        assert self._loop is not None and self._stop_event is not None
+        self._stop_event.set()
+        if grace <= 0:
+            self._abort()
+        else:
+            self._loop.call_later(grace, self._abort)
+
+    def _abort(self) -> None:
+        reason = self._stop_reason
+        self.abort_signal.trigger(reason)
+        if self._task_signal is not None:
+            self._task_signal.trigger(reason)
+
+    async def _guarded(self, awaitable: Awaitable[_T]) -> _T:
+        """Awaits ``awaitable`` unless stop() comes first (then cancels it and raises _Stopped)."""
+        assert self._stop_event is not None
+        work = asyncio.ensure_future(awaitable)
+        if self._stop_event.is_set():
+            work.cancel()
+            raise _Stopped
+        stopper = asyncio.ensure_future(self._stop_event.wait())
+        try:
+            await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            if not work.done():
+                work.cancel()
+                # Let the cancelled call unwind (and close its gRPC call) before going on.
+                await asyncio.wait({work})
+        if work.cancelled():
+            raise _Stopped
+        return work.result()
+
+    async def _sleep(self, seconds: float) -> None:
+        await self._guarded(asyncio.sleep(seconds))
+
+    # ---- jobs ----
+    async def _get_job(self) -> _Job | None:
+        """GET_JOB: a job, or None when the session is over (DONE, or job_timeout spent)."""
+        give_up = time.monotonic() + self.job_timeout
+        attempt = 0
+        while True:
+            offer = await self._guarded(
+                self.transport.get_job(
+                    job_name=self.job_name, device_info=self.device_info, user_info=self.user_info
+                )
+            )
+            if offer.status is Status.OK:
+                return self._start_job(offer.job_id, offer.job_name, offer.job_data)
+            if offer.status is Status.DONE:
+                _log.info("session done", extra={"job_name": self.job_name, "reason": offer.message})
+                return None
+            if offer.status not in (Status.RETRY, Status.NO_JOB):
+                raise InvalidArgument(f"GetJob answered {offer.status}, which it never should")
+            wait = self.backoff.after(offer.retry_after, attempt)
+            attempt += 1
+            remaining = give_up - time.monotonic()
+            if remaining <= 0:
+                _log.info("no job within the job timeout", extra={"job_timeout_s": self.job_timeout})
+                return None
+            # The last wait is cut short so that one more ask lands at the timeout itself.
+            await self._sleep(min(wait, remaining))
+
+    def _start_job(self, job_id: str, name: str, job_data: str) -> _Job:
+        ctx = Context()
+        ctx[ContextKey.RUNNER] = self
+        ctx[ContextKey.DATA_SOURCE] = self.data_source
+        if self.partition is not None:
+            ctx[ContextKey.PARTITION_ID], ctx[ContextKey.NUM_PARTITIONS] = self.partition
+        config: JobConfig | None = None
+        error = ""
+        try:
+            config = process_job_data(job_data, self.resolver_registry)
+        except FedlinkError as exc:
+            # Every task of this job will be reported as failed with this message.
+            error = f"job config: {type(exc).__name__}: {exc}"
+            _log.error("the job's config is invalid", extra={"job_id": job_id, "error": error})
+        if config is not None:
+            ctx[ContextKey.COMPONENTS] = dict(config.components)
+            ctx[ContextKey.EVENT_HANDLERS] = list(config.handlers)
+        _log.info("job started", extra={"job_id": job_id, "job_name": name})
+        return _Job(job_id=job_id, name=name, config=config, config_error=error, ctx=ctx)
+
+    async def _do_job(self, job: _Job) -> None:
+        """GET_TASK / TASK / REPORT until the job has nothing more for this device."""
+        while not self._stopping:
+            offer = await self._guarded(self.transport.get_task(job_id=job.job_id, cookie=job.cookie))
+            if offer.cookie:
+                job.cookie = offer.cookie
+            if offer.status is Status.OK:
+                if not await self._do_task(job, offer):
+                    return
+            elif offer.status is Status.RETRY:
+                await self._sleep(self.backoff.after(offer.retry_after))
+            elif offer.status in (Status.NO_TASK, Status.DONE):
+                _log.info("job over for this device", extra={"job_id": job.job_id, "status": offer.status})
+                return
+            else:
+                raise InvalidArgument(f"GetTask answered {offer.status}, which it never should")
+
+    # ---- one task ----
+    async def _do_task(self, job: _Job, offer: TaskOffer) -> bool:
+        """TASK and REPORT; returns False when the job is over (DONE)."""
+        started = time.monotonic()
+        signal = Signal()
+        self._task_signal = signal
+        if self.abort_signal.triggered:
+            signal.trigger(self.abort_signal.reason)
+        renewer = asyncio.create_task(self._keep_lease(job, offer, signal))
+        try:
+            # Not guarded by stop(): the executor runs on until the abort signal (stop after the grace
+            # period, or a lost lease) ends it, so a finished result is never thrown away.
+            outcome = await asyncio.to_thread(self._process, job, offer, signal)
+        finally:
+            renewer.cancel()
+            self._task_signal = None
+        if isinstance(outcome, Aborted):
+            return await self._give_back(job, offer, started, str(outcome))
+        result, error = outcome if isinstance(outcome, tuple) else (None, outcome)
+        report = ResultReport(
+            job_id=job.job_id, task_id=offer.task_id, cookie=offer.cookie, result=result, error_message=error
+        )
+        try:
+            ack = await self.transport.report_result(report)
+        except FedlinkError as exc:
+            self._record(
+                job, offer, "FAILED" if error else "SUCCEEDED", started, ack="REFUSED", error=str(exc)
+            )
+            _log.error(
+                "the coordinator refused the report", extra={"task_id": offer.task_id, "error": str(exc)}
+            )
+            return True
+        if ack.cookie:
+            job.cookie = ack.cookie
+        self._record(job, offer, "FAILED" if error else "SUCCEEDED", started, ack=ack.status, error=error)
+        return ack.status is not Status.DONE
+
+    async def _give_back(self, job: _Job, offer: TaskOffer, started: float, why: str) -> bool:
+        ack = ""
+        try:
+            reply = await asyncio.wait_for(
+                self.transport.release(
+                    job_id=job.job_id, task_id=offer.task_id, cookie=offer.cookie, reason=why
+                ),
+                timeout=_ABORT_WAIT * 2,
+            )
+            ack = reply.status
+        except (FedlinkError, TimeoutError) as exc:
+            _log.warning("could not release the task", extra={"task_id": offer.task_id, "error": str(exc)})
+        outcome = "RELEASED" if self._stopping else "ABANDONED"
+        self._record(job, offer, outcome, started, ack=ack, error=why)
+        return True
+
+    def _record(
+        self, job: _Job, offer: TaskOffer, outcome: str, started: float, *, ack: str, error: str = ""
+    ) -> None:
+        record = TaskRecord(
+            job_id=job.job_id,
+            task_id=offer.task_id,
+            task_name=offer.task_name,
+            outcome=outcome,
+            duration_s=round(time.monotonic() - started, 3),
+            ack=str(ack),
+            error=error,
+        )
+        self.history.append(record)
+        _log.info(
+            f"task {record.task_name} {record.outcome} in {record.duration_s:.3f}s (ack {record.ack or '-'})",
+            extra={
+                "job_id": record.job_id,
+                "task_id": record.task_id,
+                "task_name": record.task_name,
+                "outcome": record.outcome,
+                "duration_s": record.duration_s,
+                "ack": record.ack,
+                **({"error": error} if error else {}),
+            },
+        )
+
+    async def _keep_lease(self, job: _Job, offer: TaskOffer, signal: Signal) -> None:
+        """Renews the lease every third of its length while the task runs; aborts it if lost."""
+        expires = offer.lease_expires_at
+        while expires is not None:
+            length = (expires - datetime.now(UTC)).total_seconds()
+            await asyncio.sleep(max(length / 3, 0.05))
+            try:
+                reply = await self.transport.renew_lease(
+                    job_id=job.job_id, task_id=offer.task_id, cookie=offer.cookie
+                )
+            except FedlinkError as exc:
+                _log.warning("lease renewal failed", extra={"task_id": offer.task_id, "error": str(exc)})
+                continue
+            if reply.status is not Status.OK or reply.lease_expires_at is None:
+                signal.trigger(f"lease lost ({reply.status})")
+                return
+            expires = reply.lease_expires_at
+
+    def _process(self, job: _Job, offer: TaskOffer, signal: Signal) -> tuple[DXO, str] | str | Aborted:
+        """TASK, in a worker thread: the result and "", or the failure message, or Aborted."""
+        try:
+            return self._execute(job, offer, signal), ""
+        except Aborted as exc:
+            return exc
+        except Exception as exc:  # any bug in user code becomes a failed result, never a dead daemon
+            return f"{type(exc).__name__}: {exc}"
+
+    def _execute(self, job: _Job, offer: TaskOffer, signal: Signal) -> DXO:
+        if job.config is None:
+            raise InvalidArgument(job.config_error)
+        if offer.task_data is None:
+            raise InvalidArgument(f"task {offer.task_name!r} came without input data")
+        executor = job.config.executor_for(offer.task_name)
+        ctx = job.ctx.copy()
+        ctx[ContextKey.TASK_ID] = offer.task_id
+        ctx[ContextKey.TASK_NAME] = offer.task_name
+        ctx[ContextKey.TASK_DATA] = offer.task_data
+        ctx[ContextKey.EXECUTOR] = executor
+        signal.check()
+        dxo = _apply(offer.task_data, [*self.app_in_filters, *job.config.in_filters], "in", ctx, signal)
+        signal.check()
+        ctx.fire_event(EventType.BEFORE_TRAIN, time.time())
+        output = _as_dxo(executor.execute(dxo, ctx, signal), f"executor {type(executor).__name__}")
+        signal.check()
+        ctx.fire_event(EventType.AFTER_TRAIN, (time.time(), output))
+        output = _apply(output, [*self.app_out_filters, *job.config.out_filters], "out", ctx, signal)
+        signal.check()
+        output.validate()
+        return output
+
+
+def _apply(dxo: DXO, filters: Sequence[Filter], kind: str, ctx: Context, signal: Signal) -> DXO:
+    for index, item in enumerate(filters):
+        dxo = _as_dxo(item.filter(dxo, ctx, signal), f"{kind}-filter #{index} ({type(item).__name__})")
+        signal.check()
+    return dxo
+
+
+def _as_dxo(value: object, what: str) -> DXO:
+    if not isinstance(value, DXO):
+        raise InvalidArgument(f"{what} returned {type(value).__name__}, not a DXO")
+    return value

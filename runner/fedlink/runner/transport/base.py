@@ -1,0 +1,165 @@
+"""The Runner's view of the coordinator: a small async interface in domain terms, and its values.
+
+The Runner speaks only to :class:`Transport`; :class:`~fedlink.runner.transport.grpc_transport.GrpcTransport`
+implements it over RunnerService, and the simulation adds an in-process one. Normal outcomes come back
+as a :class:`Status` in the reply; faults are raised as :mod:`fedlink.common.errors` subclasses.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from types import TracebackType
+
+from fedlink.common.dxo import DXO
+
+__all__ = [
+    "Ack",
+    "JobOffer",
+    "LeaseAck",
+    "ResultReport",
+    "Status",
+    "TaskOffer",
+    "Transport",
+]
+
+
+class Status(enum.StrEnum):
+    """The outcome of a device call when no fault occurred (the proto's ``RunnerStatus``)."""
+
+    OK = "OK"
+    RETRY = "RETRY"
+    NO_JOB = "NO_JOB"
+    NO_TASK = "NO_TASK"
+    DONE = "DONE"
+    STALE = "STALE"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobOffer:
+    """GetJob's reply."""
+
+    status: Status
+    job_id: str = ""
+    job_name: str = ""
+    #: The job config (JSON text, the NVFlare edge format), OK only.
+    job_data: str = ""
+    #: How long to wait before asking again (RETRY and NO_JOB), if the coordinator said.
+    retry_after: timedelta | None = None
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskOffer:
+    """GetTask's reply; for OK the task's input is already a decoded DXO (downloaded if it was a blob)."""
+
+    status: Status
+    task_id: str = ""
+    task_name: str = ""
+    task_data: DXO | None = None
+    #: Opaque; goes back with the report and the next GetTask.
+    cookie: bytes = b""
+    deadline: datetime | None = None
+    lease_expires_at: datetime | None = None
+    retry_after: timedelta | None = None
+    assignment_id: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResultReport:
+    """What the Runner reports for a task: a result DXO, or the reason it failed."""
+
+    job_id: str
+    task_id: str
+    cookie: bytes
+    #: The result (None for a failed task).
+    result: DXO | None
+    #: Why the task failed ("" when it succeeded): the exception's type and message.
+    error_message: str = ""
+    #: A unique id; a retry with it gets the original reply. The transport fills one in if empty.
+    request_id: str = ""
+
+    @property
+    def succeeded(self) -> bool:
+        """Whether this reports a result (rather than a failure)."""
+        return self.result is not None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ack:
+    """ReportResult's reply."""
+
+    status: Status
+    #: The cookie for the next GetTask of the job.
+    cookie: bytes = b""
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeaseAck:
+    """RenewLease's and ReleaseAssignment's reply."""
+
+    status: Status
+    lease_expires_at: datetime | None = None
+
+
+class Transport(ABC):
+    """How a Runner reaches the coordinator. An async context manager: ``open`` then ``close``.
+
+    Implementations retry transient faults themselves (with backoff) and raise a
+    :class:`~fedlink.common.errors.FedlinkError` only for faults that retrying cannot fix.
+    """
+
+    @property
+    @abstractmethod
+    def device_id(self) -> str:
+        """The device's id, known once :meth:`open` returned."""
+
+    @abstractmethod
+    async def open(self) -> None:
+        """Connects, enrols if the device has no identity yet, and delivers any result left pending."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Releases the connection; safe to call twice."""
+
+    @abstractmethod
+    async def get_job(
+        self, *, job_name: str, device_info: dict[str, str], user_info: dict[str, str]
+    ) -> JobOffer:
+        """Asks for a job (one call; the Runner decides how long to keep asking)."""
+
+    @abstractmethod
+    async def get_task(self, *, job_id: str, cookie: bytes) -> TaskOffer:
+        """Long-polls for the next task of a job."""
+
+    @abstractmethod
+    async def report_result(self, report: ResultReport) -> Ack:
+        """Reports a task's outcome, durably: it is delivered even across a restart of the process."""
+
+    @abstractmethod
+    async def renew_lease(self, *, job_id: str, task_id: str, cookie: bytes) -> LeaseAck:
+        """Extends the lease of the task being worked on."""
+
+    @abstractmethod
+    async def release(self, *, job_id: str, task_id: str, cookie: bytes, reason: str) -> LeaseAck:
+        """Gives the task back so another device can take it."""
+
+    @abstractmethod
+    async def download_blob(self, sha256: str, size_bytes: int) -> bytes:
+        """Downloads a blob a task refers to (resuming after a dropped stream), checked against its hash."""
+
+    @abstractmethod
+    async def upload_blob(self, data: bytes) -> str:
+        """Uploads bytes as a blob (resuming a partial upload); returns its sha256."""
+
+    async def __aenter__(self) -> Transport:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()

@@ -1,0 +1,508 @@
+"""The gRPC implementation of :class:`~fedlink.runner.transport.base.Transport` (RunnerService).
+
+* **Identity**: enrols once and keeps the device id and credential in ``<state_dir>/identity.json``
+  (0600). The Enroll request id is stored *before* the call, so a crash during enrolment gets the
+  same device back on restart.
+* **TLS** from a CA file, or plaintext only when ``insecure=True`` is given explicitly.
+* **Retries**: UNAVAILABLE, DEADLINE_EXCEEDED and ABORTED (and connection failures, which gRPC
+  reports as UNAVAILABLE) are retried without limit, with exponential backoff and full jitter;
+  RESOURCE_EXHAUSTED, INTERNAL and UNKNOWN a few times; everything else cannot succeed by retrying and
+  is raised at once as the matching :mod:`fedlink.common.errors` class. Every mutating call carries a
+  request id that stays the same across its retries. The caller bounds a call by cancelling it.
+* **Timeouts** are named for what they bound: ``task_wait`` (the GetTask long poll) and
+  ``per_request`` (any other call); job discovery is the Runner's ``job_timeout``.
+* **Large payloads**: a result over ``blob_threshold_bytes`` goes through UploadBlob (resumed from
+  GetBlobUploadStatus after a dropped stream); a task that refers to a blob is fetched with
+  DownloadBlob, resumed from the last byte received; both are checked against their SHA-256.
+* **Durable results**: :meth:`GrpcTransport.report_result` writes the serialized request to
+  ``<state_dir>/pending/`` before the first attempt and deletes it only on OK/STALE/DONE;
+  :meth:`GrpcTransport.open` re-sends what a previous process left there, with the same request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Final, TypeVar
+
+import grpc
+from google.protobuf import timestamp_pb2
+
+from fedlink.common.dxo import DXO
+from fedlink.common.errors import (
+    FailedPrecondition,
+    FedlinkError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
+from fedlink.common.version import PROTOCOL_VERSION
+from fedlink.runner.transport.backoff import Backoff
+from fedlink.runner.transport.base import Ack, JobOffer, LeaseAck, ResultReport, Status, TaskOffer, Transport
+from fedlink.runner.transport.state import Identity, StateDir
+from fedlink.v1 import dxo_pb2, states_pb2
+from fedlink.v1 import runner_service_pb2 as pb
+from fedlink.v1 import runner_service_pb2_grpc as pb_grpc
+
+__all__ = ["GrpcTransport", "GrpcTransportConfig"]
+
+_log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+_STATUS: Final = {
+    pb.RUNNER_STATUS_OK: Status.OK,
+    pb.RUNNER_STATUS_RETRY: Status.RETRY,
+    pb.RUNNER_STATUS_NO_JOB: Status.NO_JOB,
+    pb.RUNNER_STATUS_NO_TASK: Status.NO_TASK,
+    pb.RUNNER_STATUS_DONE: Status.DONE,
+    pb.RUNNER_STATUS_STALE: Status.STALE,
+}
+#: Faults that go away by themselves (the coordinator restarting, a network blip): retried forever.
+_TRANSIENT: Final = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED}
+)
+#: Faults that might go away: retried ``limited_retries`` times, then raised.
+_MAYBE_TRANSIENT: Final = frozenset(
+    {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+)
+_ERRORS: Final[dict[grpc.StatusCode, type[FedlinkError]]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+}
+#: Replies after which a pending result is settled (the coordinator has it, or no longer wants it).
+_SETTLED: Final = frozenset({Status.OK, Status.STALE, Status.DONE})
+#: Faults after which a pending result can never be delivered.
+_REFUSED: Final = (InvalidArgument, NotFound, FailedPrecondition, PermissionDenied, ResourceExhausted)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GrpcTransportConfig:
+    """How to reach the coordinator and where the device keeps its state."""
+
+    server: str
+    """``host:port`` of the coordinator."""
+    state_dir: Path
+    """Directory for the identity and pending results (created 0700)."""
+    ca_cert: Path | None = None
+    """PEM CA bundle that signed the coordinator's certificate (None: the system's roots)."""
+    insecure: bool = False
+    """Plaintext gRPC; must be asked for explicitly."""
+    join_secret: str = field(default="", repr=False)
+    """The coordinator's join secret, for the first enrolment."""
+    device_info: dict[str, str] = field(default_factory=dict)
+    """Sent with Enroll."""
+    user_info: dict[str, str] = field(default_factory=dict)
+    """Sent with Enroll."""
+    task_wait: timedelta = timedelta(seconds=20)
+    """How long one GetTask long poll may be held by the coordinator."""
+    per_request: timedelta = timedelta(seconds=30)
+    """Deadline of every other call (and the margin added to the long poll's)."""
+    backoff: Backoff = field(default_factory=Backoff)
+    """Waits between retries of a failed call."""
+    limited_retries: int = 5
+    """Retries of RESOURCE_EXHAUSTED, INTERNAL and UNKNOWN before giving up."""
+    blob_threshold_bytes: int = 2 * 1024**2
+    """Results larger than this are uploaded as a blob rather than sent inline."""
+    chunk_bytes: int = 1024**2
+    """Chunk size of blob uploads and downloads (the protocol's upper bound is 1 MiB)."""
+    max_message_bytes: int = 64 * 1024**2
+    """Largest gRPC message sent or received."""
+
+    def __post_init__(self) -> None:
+        if not self.server or ":" not in self.server:
+            raise InvalidArgument(f"server must be host:port, got {self.server!r}")
+        if self.insecure and self.ca_cert is not None:
+            raise InvalidArgument("insecure and ca_cert exclude each other: pick one")
+        if not 0 < self.chunk_bytes <= 1024**2:
+            raise InvalidArgument(f"chunk_bytes must be in (0, 1 MiB], got {self.chunk_bytes}")
+
+
+class GrpcTransport(Transport):
+    """Speaks RunnerService over one grpc.aio channel (see the module docstring for the behaviour)."""
+
+    def __init__(self, config: GrpcTransportConfig) -> None:
+        self.config = config
+        self.state = StateDir(config.state_dir)
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.RunnerServiceAsyncStub | None = None
+        self._identity: Identity | None = None
+        #: Every failed attempt, as ``(rpc, grpc code name)``: for logs, metrics and tests.
+        self.failed_attempts: list[tuple[str, str]] = []
+
+    # ---- lifecycle ----
+    @property
+    def device_id(self) -> str:
+        """The device's id (after :meth:`open`)."""
+        if self._identity is None or not self._identity.enrolled:
+            raise FailedPrecondition("the transport is not open: the device has no identity yet")
+        return self._identity.device_id
+
+    async def open(self) -> None:
+        """Connects, enrols if needed, and re-sends results a previous process left pending."""
+        if self._channel is None:
+            self._channel = self._make_channel()
+            self._stub = pb_grpc.RunnerServiceStub(self._channel)
+        await self._ensure_identity()
+        await self.flush_pending()
+
+    async def close(self) -> None:
+        """Closes the channel; safe to call twice."""
+        channel, self._channel, self._stub = self._channel, None, None
+        if channel is not None:
+            await channel.close()
+
+    def _make_channel(self) -> grpc.aio.Channel:
+        base_ms = int(self.config.backoff.base.total_seconds() * 1000)
+        cap_ms = int(self.config.backoff.cap.total_seconds() * 1000)
+        options = [
+            ("grpc.max_receive_message_length", self.config.max_message_bytes),
+            ("grpc.max_send_message_length", self.config.max_message_bytes),
+            # gRPC reconnects on its own schedule; align it with ours so a lost coordinator sees
+            # connection attempts that follow one documented backoff.
+            ("grpc.initial_reconnect_backoff_ms", max(base_ms, 100)),
+            ("grpc.min_reconnect_backoff_ms", max(base_ms, 100)),
+            ("grpc.max_reconnect_backoff_ms", max(cap_ms, base_ms, 100)),
+            ("grpc.enable_retries", 0),  # we retry, with request ids; no second layer below us
+        ]
+        if self.config.insecure:
+            return grpc.aio.insecure_channel(self.config.server, options=options)
+        root = None
+        if self.config.ca_cert is not None:
+            try:
+                root = Path(self.config.ca_cert).read_bytes()
+            except OSError as exc:
+                raise FailedPrecondition(f"cannot read the CA file {self.config.ca_cert}: {exc}") from None
+        credentials = grpc.ssl_channel_credentials(root_certificates=root)
+        return grpc.aio.secure_channel(self.config.server, credentials, options=options)
+
+    @property
+    def _rpc(self) -> pb_grpc.RunnerServiceAsyncStub:
+        if self._stub is None:
+            raise FailedPrecondition("the transport is closed")
+        return self._stub
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        if self._identity is None or not self._identity.enrolled:
+            raise FailedPrecondition("the device is not enrolled")
+        return (("authorization", f"Bearer {self._identity.credential}"),)
+
+    async def _ensure_identity(self) -> None:
+        identity = self.state.load_identity()
+        if identity is not None and identity.enrolled:
+            self._identity = identity
+            return
+        if identity is None:
+            # Saved before the call: a crash between the coordinator's reply and our write then
+            # re-enrols with the same request id, which the coordinator answers with the same device.
+            identity = Identity(enroll_request_id=str(uuid.uuid4()), server=self.config.server)
+            self.state.save_identity(identity)
+        request = pb.EnrollRequest(
+            join_secret=self.config.join_secret,
+            device_info=self.config.device_info,
+            user_info=self.config.user_info,
+            protocol_version=PROTOCOL_VERSION,
+            request_id=identity.enroll_request_id,
+        )
+        reply = await self._call("Enroll", lambda: self._rpc.Enroll(request, timeout=self._per_request))
+        identity = Identity(
+            enroll_request_id=identity.enroll_request_id,
+            device_id=reply.device_id,
+            credential=reply.device_credential,
+            server=self.config.server,
+        )
+        self.state.save_identity(identity)
+        self._identity = identity
+        _log.info("enrolled", extra={"device_id": identity.device_id, "server": self.config.server})
+
+    @property
+    def _per_request(self) -> float:
+        return self.config.per_request.total_seconds()
+
+    # ---- the retry loop ----
+    async def _call(self, rpc: str, attempt: Callable[[], Awaitable[_T]]) -> _T:
+        """Runs ``attempt`` until it succeeds or fails in a way retrying cannot fix."""
+        failures = 0
+        limited = 0
+        while True:
+            try:
+                return await attempt()
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                self.failed_attempts.append((rpc, code.name))
+                if code in _MAYBE_TRANSIENT:
+                    limited += 1
+                if code not in _TRANSIENT and (
+                    code not in _MAYBE_TRANSIENT or limited > self.config.limited_retries
+                ):
+                    raise self._error(rpc, exc) from None
+                delay = self.config.backoff.delay(failures)
+                failures += 1
+                _log.info(
+                    "coordinator call failed, retrying",
+                    extra={"rpc": rpc, "code": code.name, "attempt": failures, "delay_s": round(delay, 3)},
+                )
+                await asyncio.sleep(delay)
+
+    def _error(self, rpc: str, exc: grpc.aio.AioRpcError) -> FedlinkError:
+        details = exc.details() or exc.code().name
+        if exc.code() is grpc.StatusCode.UNAUTHENTICATED and rpc != "Enroll":
+            return Unauthenticated(
+                f"{rpc}: the coordinator refused this device's credential ({details}). The device was "
+                f"revoked or the coordinator lost its store; to enrol again, remove "
+                f"{self.state.identity_file}"
+            )
+        kind = _ERRORS.get(exc.code(), Unavailable)
+        return kind(f"{rpc}: {details}")
+
+    # ---- jobs and tasks ----
+    async def get_job(
+        self, *, job_name: str, device_info: dict[str, str], user_info: dict[str, str]
+    ) -> JobOffer:
+        """Asks for a job once (transient faults retried)."""
+        request = pb.GetJobRequest(
+            device_info=device_info,
+            user_info=user_info,
+            job_name=job_name,
+            capabilities=["blob", "sparse", "float16"],
+            protocol_version=PROTOCOL_VERSION,
+        )
+        reply = await self._call(
+            "GetJob",
+            lambda: self._rpc.GetJob(request, metadata=self._metadata(), timeout=self._per_request),
+        )
+        return JobOffer(
+            status=_status(reply.status, "GetJob"),
+            job_id=reply.job_id,
+            job_name=reply.job_name,
+            job_data=reply.job_data,
+            retry_after=reply.retry_after.ToTimedelta() if reply.HasField("retry_after") else None,
+            message=reply.message,
+        )
+
+    async def get_task(self, *, job_id: str, cookie: bytes) -> TaskOffer:
+        """Long-polls for a task for up to ``task_wait``; downloads its input if it is a blob."""
+        request = pb.GetTaskRequest(job_id=job_id, cookie=cookie)
+        request.wait_timeout.FromTimedelta(self.config.task_wait)
+        deadline = (self.config.task_wait + self.config.per_request).total_seconds()
+        reply = await self._call(
+            "GetTask", lambda: self._rpc.GetTask(request, metadata=self._metadata(), timeout=deadline)
+        )
+        status = _status(reply.status, "GetTask")
+        retry_after = reply.retry_after.ToTimedelta() if reply.HasField("retry_after") else None
+        if status is not Status.OK:
+            return TaskOffer(status=status, cookie=reply.cookie, retry_after=retry_after)
+        return TaskOffer(
+            status=status,
+            task_id=reply.task_id,
+            task_name=reply.task_name,
+            task_data=await self._task_input(reply.task_data),
+            cookie=reply.cookie,
+            deadline=_time(reply.deadline, reply.HasField("deadline")),
+            lease_expires_at=_time(reply.lease_expire_time, reply.HasField("lease_expire_time")),
+            assignment_id=reply.assignment_id,
+        )
+
+    async def _task_input(self, payload: dxo_pb2.Payload) -> DXO | None:
+        where = payload.WhichOneof("location")
+        if where == "dxo":
+            return DXO.from_proto(payload.dxo)
+        if where == "blob":
+            return DXO.from_bytes(await self.download_blob(payload.blob.sha256, payload.blob.size_bytes))
+        return None
+
+    # ---- results ----
+    async def report_result(self, report: ResultReport) -> Ack:
+        """Reports durably: on disk first, deleted once the coordinator settled it (OK/STALE/DONE)."""
+        request_id = report.request_id or str(uuid.uuid4())
+        request = pb.ReportResultRequest(
+            job_id=report.job_id,
+            task_id=report.task_id,
+            cookie=report.cookie,
+            request_id=request_id,
+            error_message=report.error_message[:4000],
+        )
+        if report.result is not None:
+            request.status = states_pb2.RESULT_STATUS_SUCCEEDED
+            request.result.dxo.CopyFrom(report.result.to_proto())
+        else:
+            request.status = states_pb2.RESULT_STATUS_FAILED
+        self.state.pending.put(request_id, request.SerializeToString(deterministic=True))
+        try:
+            return await self._deliver(request)
+        except _REFUSED:
+            # Retrying cannot help (e.g. a different result for the same task): set it aside.
+            self.state.pending.reject(request_id)
+            raise
+
+    async def flush_pending(self) -> list[Ack]:
+        """Re-sends every result a previous process left unacknowledged, oldest first."""
+        acks: list[Ack] = []
+        for request_id, data in self.state.pending.items():
+            request = pb.ReportResultRequest.FromString(data)
+            _log.info(
+                "re-sending a pending result", extra={"request_id": request_id, "task_id": request.task_id}
+            )
+            try:
+                acks.append(await self._deliver(request))
+            except _REFUSED as exc:
+                # The coordinator will never take it (e.g. a different result for the same task): keep
+                # it aside for the operator and go on with fresh work.
+                moved = self.state.pending.reject(request_id)
+                _log.error(
+                    "a pending result was refused",
+                    extra={"task_id": request.task_id, "error": str(exc), "kept": str(moved)},
+                )
+        return acks
+
+    async def _deliver(self, request: pb.ReportResultRequest) -> Ack:
+        wire = request
+        if request.result.WhichOneof("location") == "dxo":
+            data = request.result.dxo.SerializeToString(deterministic=True)
+            if len(data) > self.config.blob_threshold_bytes:
+                sha = await self.upload_blob(data)
+                wire = pb.ReportResultRequest()
+                wire.CopyFrom(request)
+                wire.result.blob.sha256 = sha
+                wire.result.blob.size_bytes = len(data)
+        reply = await self._call(
+            "ReportResult",
+            lambda: self._rpc.ReportResult(wire, metadata=self._metadata(), timeout=self._per_request),
+        )
+        ack = Ack(status=_status(reply.status, "ReportResult"), cookie=reply.cookie, message=reply.message)
+        if ack.status in _SETTLED:
+            self.state.pending.done(request.request_id)
+        return ack
+
+    # ---- leases ----
+    async def renew_lease(self, *, job_id: str, task_id: str, cookie: bytes) -> LeaseAck:
+        """Extends the lease of an assignment in progress."""
+        request = pb.RenewLeaseRequest(
+            job_id=job_id, task_id=task_id, cookie=cookie, request_id=str(uuid.uuid4())
+        )
+        reply = await self._call(
+            "RenewLease",
+            lambda: self._rpc.RenewLease(request, metadata=self._metadata(), timeout=self._per_request),
+        )
+        return LeaseAck(
+            status=_status(reply.status, "RenewLease"),
+            lease_expires_at=_time(reply.lease_expire_time, reply.HasField("lease_expire_time")),
+        )
+
+    async def release(self, *, job_id: str, task_id: str, cookie: bytes, reason: str) -> LeaseAck:
+        """Gives an assignment back."""
+        request = pb.ReleaseAssignmentRequest(
+            job_id=job_id, task_id=task_id, cookie=cookie, reason=reason, request_id=str(uuid.uuid4())
+        )
+        reply = await self._call(
+            "ReleaseAssignment",
+            lambda: self._rpc.ReleaseAssignment(
+                request, metadata=self._metadata(), timeout=self._per_request
+            ),
+        )
+        return LeaseAck(status=_status(reply.status, "ReleaseAssignment"))
+
+    # ---- blobs ----
+    def _transfer_timeout(self, remaining_bytes: int) -> float:
+        # A stream's deadline grows with what is left to move: one per_request per 64 MiB, at least one.
+        return self._per_request * (1 + max(remaining_bytes, 0) // (64 * 1024**2))
+
+    async def download_blob(self, sha256: str, size_bytes: int) -> bytes:
+        """Downloads a blob, resuming from the last byte received after a dropped stream."""
+        buffer = bytearray()
+        failures = 0
+        while True:
+            try:
+                await self._download_from(sha256, size_bytes, buffer)
+            except grpc.aio.AioRpcError as exc:
+                self.failed_attempts.append(("DownloadBlob", exc.code().name))
+                if exc.code() not in _TRANSIENT:
+                    raise self._error("DownloadBlob", exc) from None
+                delay = self.config.backoff.delay(failures)
+                failures += 1
+                _log.info(
+                    "blob download interrupted, resuming", extra={"sha256": sha256, "offset": len(buffer)}
+                )
+                await asyncio.sleep(delay)
+                continue
+            if size_bytes and len(buffer) != size_bytes:
+                raise InvalidArgument(f"blob {sha256}: got {len(buffer)} bytes, expected {size_bytes}")
+            if hashlib.sha256(buffer).hexdigest() != sha256:
+                raise InvalidArgument(f"blob {sha256}: the downloaded bytes do not match their SHA-256")
+            return bytes(buffer)
+
+    async def _download_from(self, sha256: str, size_bytes: int, buffer: bytearray) -> None:
+        request = pb.DownloadBlobRequest(
+            sha256=sha256, offset=len(buffer), max_chunk_bytes=self.config.chunk_bytes
+        )
+        stream = self._rpc.DownloadBlob(
+            request, metadata=self._metadata(), timeout=self._transfer_timeout(size_bytes - len(buffer))
+        )
+        async for chunk in stream:
+            if chunk.offset != len(buffer):
+                raise InvalidArgument(
+                    f"blob {sha256}: chunk at offset {chunk.offset}, expected {len(buffer)}"
+                )
+            buffer.extend(chunk.data)
+
+    async def upload_blob(self, data: bytes) -> str:
+        """Uploads ``data`` as a blob, resuming from what the coordinator already holds."""
+        sha = hashlib.sha256(data).hexdigest()
+        failures = 0
+        while True:
+            try:
+                status = await self._rpc.GetBlobUploadStatus(
+                    pb.GetBlobUploadStatusRequest(sha256=sha),
+                    metadata=self._metadata(),
+                    timeout=self._per_request,
+                )
+                if status.complete:
+                    return sha
+                reply = await self._rpc.UploadBlob(
+                    _upload_parts(sha, data, status.received_bytes, self.config.chunk_bytes),
+                    metadata=self._metadata(),
+                    timeout=self._transfer_timeout(len(data) - status.received_bytes),
+                )
+                return str(reply.blob.sha256)
+            except grpc.aio.AioRpcError as exc:
+                self.failed_attempts.append(("UploadBlob", exc.code().name))
+                if exc.code() not in _TRANSIENT:
+                    raise self._error("UploadBlob", exc) from None
+                delay = self.config.backoff.delay(failures)
+                failures += 1
+                _log.info("blob upload interrupted, resuming", extra={"sha256": sha})
+                await asyncio.sleep(delay)
+
+
+async def _upload_parts(
+    sha: str, data: bytes, offset: int, chunk: int
+) -> AsyncIterator[pb.UploadBlobRequest]:
+    yield pb.UploadBlobRequest(
+        header=dxo_pb2.BlobUploadHeader(sha256=sha, size_bytes=len(data), offset=offset)
+    )
+    view = memoryview(data)
+    for start in range(offset, len(data), chunk):
+        yield pb.UploadBlobRequest(chunk=bytes(view[start : start + chunk]))
+
+
+def _status(value: pb.RunnerStatus.ValueType, rpc: str) -> Status:
+    try:
+        return _STATUS[value]
+    except KeyError:
+        raise InvalidArgument(f"{rpc}: the coordinator answered an unknown status {value}") from None
+
+
+def _time(stamp: timestamp_pb2.Timestamp, present: bool) -> datetime | None:
+    return stamp.ToDatetime(tzinfo=UTC) if present else None
