@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from fedlink.cli.extras import SERVER_COMMAND_NAMES, missing_server_extra_command, server_extra_installed
+from fedlink.cli.runner import runner_command
 from fedlink.common.version import PROTOCOL_VERSION, __version__
 
 
@@ -83,6 +84,7 @@ def build_cli(*, server_extra: bool | None = None) -> click.Group:
     def fedlink() -> None:
         """fedlink: federated learning between one coordinator and many edge devices."""
 
+    fedlink.add_command(runner_command)
     return fedlink
 
 

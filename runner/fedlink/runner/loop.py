@@ -366,7 +366,8 @@ class Runner:
         )
         self.history.append(record)
         _log.info(
-            f"task {record.task_name} {record.outcome} in {record.duration_s:.3f}s (ack {record.ack or '-'})",
+            f"task {record.task_name} {record.task_id} of job {record.job_id}: {record.outcome} in "
+            f"{record.duration_s:.3f}s (ack {record.ack or '-'})" + (f": {error}" if error else ""),
             extra={
                 "job_id": record.job_id,
                 "task_id": record.task_id,

@@ -1,0 +1,58 @@
+"""``fedlink runner``: the edge runner daemon (see :mod:`fedlink.runner.daemon`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from fedlink.common.errors import InvalidArgument
+
+__all__ = ["runner_command"]
+
+
+@click.command("runner")
+@click.option("--server", help="Coordinator host:port.  [env FEDLINK_SERVER]")
+@click.option("--ca-cert", type=click.Path(dir_okay=False, path_type=Path), help="PEM CA of the coordinator.")
+@click.option("--insecure", is_flag=True, default=None, help="Plaintext gRPC, without TLS (tests only).")
+@click.option("--join-secret", help="The coordinator's join secret (first enrolment only).")
+@click.option(
+    "--state-dir", type=click.Path(file_okay=False, path_type=Path), help="Identity and pending results."
+)
+@click.option("--job-name", help="Only take jobs with this name.")
+@click.option("--data", type=click.Path(dir_okay=False, path_type=Path), help=".npz with x_train/y_train...")
+@click.option("--partition-id", type=int, help="Use only this partition of --data.")
+@click.option("--num-partitions", type=int, help="How many partitions --data is split into.")
+@click.option("--partition", type=click.Choice(["iid", "dirichlet"]), help="How --data is split.")
+@click.option("--partition-alpha", type=float, help="Dirichlet concentration (smaller: more skew).")
+@click.option("--partition-seed", type=int, help="Seed of the split (the same on every device).")
+@click.option("--device-info", multiple=True, metavar="K=V", help="Describes the device (repeatable).")
+@click.option("--user-info", multiple=True, metavar="K=V", help="Describes the user (repeatable).")
+@click.option("--job-timeout", help="How long to look for a job before exiting (0: for ever).")
+@click.option("--task-wait", help="Long-poll wait of one GetTask, e.g. 20s.")
+@click.option("--per-request", help="Deadline of other calls, e.g. 30s.")
+@click.option("--shutdown-grace", help="On SIGTERM, time the current task may take, e.g. 30s.")
+@click.option("--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL.")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A runner.toml; flags and FEDLINK_* variables override it.",
+)
+def runner_command(config_file: Path | None, **flags: object) -> None:
+    """Run the edge runner: take tasks from the coordinator until stopped (SIGTERM: finish, then exit 0).
+
+    Settings come from defaults < --config TOML < FEDLINK_* environment < flags.
+    """
+    # Imported here so that `fedlink --help` stays fast.
+    from fedlink.runner.daemon import configure_logging, run_daemon
+    from fedlink.runner.settings import load_runner_settings
+
+    for name in ("device_info", "user_info"):
+        flags[name] = list(flags[name]) if flags[name] else None  # type: ignore[call-overload]
+    try:
+        settings = load_runner_settings(config_file, flags=flags)
+    except InvalidArgument as exc:
+        raise click.UsageError(str(exc)) from None
+    configure_logging(settings.log_level)
+    raise SystemExit(run_daemon(settings))

@@ -1,0 +1,229 @@
+"""The runner daemon's settings, built once from defaults < TOML file < ``FEDLINK_*`` environment < flags.
+
+Each field is a TOML key of the same name, an environment variable ``FEDLINK_<NAME>`` and a flag
+``--<name>`` of ``fedlink runner``. Durations accept ``30s``, ``5m``, ``1h``, ``250ms`` or a number of
+seconds; ``job_timeout = "0"`` (or ``"inf"``) waits for a job for ever. Maps (``device_info``,
+``user_info``) are TOML tables, or ``k=v,k=v`` in the environment and repeated ``k=v`` flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Final
+
+from fedlink.common.errors import InvalidArgument
+
+__all__ = ["ENV_PREFIX", "RunnerSettings", "default_state_dir", "load_runner_settings", "parse_duration"]
+
+ENV_PREFIX: Final = "FEDLINK_"
+_DURATION: Final = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)?\s*$")
+_UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def default_state_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """``$STATE_DIRECTORY`` (set by systemd's ``StateDirectory=``), else ``~/.local/state/fedlink-runner``."""
+    env = os.environ if environ is None else environ
+    systemd = env.get("STATE_DIRECTORY", "").split(":")[0]
+    if systemd:
+        return Path(systemd)
+    return Path(env.get("HOME") or Path.home()) / ".local" / "state" / "fedlink-runner"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunnerSettings:
+    """Everything ``fedlink runner`` can be told."""
+
+    server: str = ""
+    """``host:port`` of the coordinator (required)."""
+    ca_cert: Path | None = None
+    """PEM CA file that signed the coordinator's certificate (default: the system's roots)."""
+    insecure: bool = False
+    """Plaintext gRPC, without TLS; must be asked for explicitly."""
+    join_secret: str = field(default="", repr=False)
+    """The coordinator's join secret, needed once, for the first enrolment."""
+    state_dir: Path = field(default_factory=default_state_dir)
+    """Where the device keeps its identity and unacknowledged results."""
+    job_name: str = ""
+    """Only take jobs with this name ("" for any job the device is eligible for)."""
+    data: Path | None = None
+    """A ``.npz`` file with ``x_train``/``y_train`` (and optionally ``x_valid``/``y_valid``...)."""
+    partition_id: int | None = None
+    """Use only this partition of ``data`` (with ``num_partitions``)."""
+    num_partitions: int | None = None
+    """How many partitions ``data`` is split into."""
+    partition: str = "iid"
+    """How ``data`` is split: ``iid`` or ``dirichlet`` (label skew)."""
+    partition_alpha: float = 0.5
+    """Dirichlet concentration (smaller: more skew)."""
+    partition_seed: int = 0
+    """Seed of the split; every device of a federation must use the same."""
+    device_info: dict[str, str] = field(default_factory=dict)
+    """Describes the device to job selectors (platform, app version...)."""
+    user_info: dict[str, str] = field(default_factory=dict)
+    """Describes the device's user."""
+    job_timeout: timedelta = timedelta(0)
+    """Job discovery: how long to ask for a job before exiting; 0 means for ever."""
+    task_wait: timedelta = timedelta(seconds=20)
+    """How long one GetTask long poll may wait for a task."""
+    per_request: timedelta = timedelta(seconds=30)
+    """Deadline of every other call to the coordinator."""
+    shutdown_grace: timedelta = timedelta(seconds=30)
+    """On SIGTERM/SIGINT, how long the task in progress may take before it is aborted and released."""
+    log_level: str = "INFO"
+    """DEBUG, INFO, WARNING, ERROR or CRITICAL."""
+
+    def __post_init__(self) -> None:
+        if not self.server:
+            raise InvalidArgument("server is required: --server HOST:PORT or FEDLINK_SERVER")
+        if self.insecure and self.ca_cert is not None:
+            raise InvalidArgument("insecure and ca_cert exclude each other: pick one")
+        if (self.partition_id is None) != (self.num_partitions is None):
+            raise InvalidArgument("partition_id and num_partitions go together")
+        if self.partition not in ("iid", "dirichlet"):
+            raise InvalidArgument(f"partition must be iid or dirichlet, not {self.partition!r}")
+        if self.partition_id is not None and self.data is None:
+            raise InvalidArgument("partition_id needs data (a .npz file) to split")
+        if self.shutdown_grace < timedelta(0):
+            raise InvalidArgument("shutdown_grace cannot be negative")
+
+    @property
+    def job_timeout_seconds(self) -> float:
+        """``job_timeout`` in seconds, ``math.inf`` for "for ever"."""
+        seconds = self.job_timeout.total_seconds()
+        return math.inf if seconds <= 0 else seconds
+
+
+def parse_duration(value: object) -> timedelta:
+    """A duration from seconds (a number) or text such as ``30s``, ``5m``, ``250ms``, ``inf``.
+
+    Raises:
+        InvalidArgument: Anything else.
+    """
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return timedelta(0) if math.isinf(value) else timedelta(seconds=value)
+    if isinstance(value, str):
+        if value.strip().lower() in ("inf", "forever", "never"):
+            return timedelta(0)
+        match = _DURATION.match(value)
+        if match:
+            return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+    raise InvalidArgument(f"not a duration: {value!r} (use e.g. 30s, 5m, 250ms)")
+
+
+def _parse_map(value: object) -> dict[str, str]:
+    if isinstance(value, Mapping):
+        return {str(k): str(v) for k, v in value.items()}
+    items = (
+        value.split(",")
+        if isinstance(value, str)
+        else list(value)
+        if isinstance(value, list | tuple)
+        else None
+    )
+    if items is None:
+        raise InvalidArgument(f"not a map of k=v: {value!r}")
+    result: dict[str, str] = {}
+    for item in items:
+        key, sep, val = str(item).partition("=")
+        if not sep or not key.strip():
+            raise InvalidArgument(f"not k=v: {item!r}")
+        result[key.strip()] = val.strip()
+    return result
+
+
+def _parse_bool(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise InvalidArgument(f"not a boolean: {value!r}")
+
+
+def _parse_optional_int(value: object) -> int | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool):
+        raise InvalidArgument(f"not an integer: {value!r}")
+    try:
+        return int(str(value))
+    except ValueError:
+        raise InvalidArgument(f"not an integer: {value!r}") from None
+
+
+_CONVERTERS: Final[dict[str, Any]] = {
+    "server": str,
+    "ca_cert": lambda v: Path(str(v)).expanduser() if v not in (None, "") else None,
+    "insecure": _parse_bool,
+    "join_secret": str,
+    "state_dir": lambda v: Path(str(v)).expanduser(),
+    "job_name": str,
+    "data": lambda v: Path(str(v)).expanduser() if v not in (None, "") else None,
+    "partition_id": _parse_optional_int,
+    "num_partitions": _parse_optional_int,
+    "partition": lambda v: str(v).lower(),
+    "partition_alpha": float,
+    "partition_seed": int,
+    "device_info": _parse_map,
+    "user_info": _parse_map,
+    "job_timeout": parse_duration,
+    "task_wait": parse_duration,
+    "per_request": parse_duration,
+    "shutdown_grace": parse_duration,
+    "log_level": lambda v: str(v).upper(),
+}
+
+
+def _convert(name: str, value: object, source: str) -> object:
+    try:
+        return _CONVERTERS[name](value)
+    except KeyError:
+        raise InvalidArgument(
+            f"{source}: unknown setting {name!r}; known: {', '.join(_CONVERTERS)}"
+        ) from None
+    except (InvalidArgument, ValueError, TypeError) as exc:
+        raise InvalidArgument(f"{source}: bad value for {name}: {exc}") from None
+
+
+def load_runner_settings(
+    config_file: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, object] | None = None,
+) -> RunnerSettings:
+    """Builds the settings: defaults < ``config_file`` (TOML) < ``FEDLINK_*`` environment < ``flags``.
+
+    Raises:
+        InvalidArgument: An unreadable file, an unknown key, a bad value (the message names the key
+            and where it came from) or an invalid combination.
+    """
+    values: dict[str, object] = {}
+    if config_file is not None:
+        try:
+            doc = tomllib.loads(Path(config_file).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise InvalidArgument(f"cannot read the runner config {config_file}: {exc}") from None
+        doc = doc.get("runner", doc)  # a [runner] table, or top-level keys
+        for key, value in doc.items():
+            values[key] = _convert(key, value, str(config_file))
+    env = os.environ if environ is None else environ
+    names = {f.name for f in dataclasses.fields(RunnerSettings)}
+    for name in names:
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is not None:
+            values[name] = _convert(name, raw, ENV_PREFIX + name.upper())
+    for name, value in (flags or {}).items():
+        if value is not None:
+            values[name] = _convert(name, value, f"--{name.replace('_', '-')}")
+    return RunnerSettings(**values)  # type: ignore[arg-type]
