@@ -47,7 +47,7 @@ def test_help_describes_the_group(flag: str) -> None:
 def test_runner_only_install_lists_server_commands_as_needing_the_extra() -> None:
     code, output = run("--help", server_extra=False)
     assert code == 0
-    assert listed_commands(output) == set(SERVER_COMMAND_NAMES)
+    assert listed_commands(output) == {*SERVER_COMMAND_NAMES, "runner"}
     assert "fedlink[server]" in output
 
 
