@@ -190,7 +190,9 @@ async def prepare(url: str, config: Config) -> tuple[str, str]:
         await store.set_job_state(job.job_id, JobState.RUNNING)
         run = await store.create_run(job.job_id, owner="bench", now=datetime.now(UTC), lease=LEASE)
         for device in device_ids(config):
-            await store.enroll_device({"name": device}, {}, uuid.uuid4().hex + uuid.uuid4().hex, device_id=device)
+            await store.enroll_device(
+                {"name": device}, {}, uuid.uuid4().hex + uuid.uuid4().hex, device_id=device
+            )
         return job.job_id, run.run_id
     finally:
         await store.close()
@@ -280,7 +282,9 @@ class ProcessWorkload:
                 outcomes = [error]
         elif reports:
             outcomes = list(await self.store.record_results(reports, datetime.now(UTC)))
-        accepted = sum(1 for o in outcomes if not isinstance(o, FedlinkError) and o.outcome is ReportOutcome.ACCEPTED)
+        accepted = sum(
+            1 for o in outcomes if not isinstance(o, FedlinkError) and o.outcome is ReportOutcome.ACCEPTED
+        )
         _add(counters.claims, len(held))
         _add(counters.empty, len(claimed) - len(held))
         _add(counters.results, accepted)
@@ -326,14 +330,12 @@ async def _worker_main(
         for _ in range(config.rounds_ahead):
             await load.create_round()
         _add(ready, 1)
-        while not start.wait(0.01):
-            await asyncio.sleep(0)
+        await asyncio.to_thread(start.wait)
         async with asyncio.TaskGroup() as group:
             group.create_task(load.refill(config.rounds_ahead, stop, counters))
+            # Every task returns once ``stop`` is set, after finishing the store call it is in.
             for index in range(len(groups)):
                 group.create_task(load.work(index, stop, counters))
-            while not stop.is_set():
-                await asyncio.sleep(0.05)
     finally:
         await store.close()
 
@@ -367,7 +369,9 @@ async def check_invariants(url: str) -> dict[str, int | bool]:
     finally:
         await engine.dispose()
     bad = ("slots_held_twice", "over_slot_tasks", "foreign_device_claims")
-    found["ok"] = all(found[name] == 0 for name in (*bad, "assignments_with_two_results", "completed_without_result"))
+    found["ok"] = all(
+        found[name] == 0 for name in (*bad, "assignments_with_two_results", "completed_without_result")
+    )
     found["ok"] = bool(found["ok"]) and found["results_without_completion"] == 0
     return found
 
@@ -477,14 +481,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", default="1,64", help="comma-separated claims/reports per store call")
     parser.add_argument("--duration", type=float, default=120.0, help="seconds per configuration")
     parser.add_argument("--window", type=float, default=10.0, help="seconds per printed rate window")
-    parser.add_argument("--devices", type=int, default=1024, help="devices (one targeted task each per round)")
-    parser.add_argument("--rounds-ahead", type=int, default=2, help="open rounds kept ahead of the slowest worker")
+    parser.add_argument(
+        "--devices", type=int, default=1024, help="devices (one targeted task each per round)"
+    )
+    parser.add_argument(
+        "--rounds-ahead", type=int, default=2, help="open rounds kept ahead of the slowest worker"
+    )
     parser.add_argument("--baseline-seconds", type=float, default=10.0)
-    parser.add_argument("--quick", action="store_true", help="a few seconds per configuration (the test suite)")
+    parser.add_argument(
+        "--quick", action="store_true", help="a few seconds per configuration (the test suite)"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.duration, args.window, args.baseline_seconds = 2.0, 0.5, 0.5
+        args.duration, args.window, args.baseline_seconds = 1.5, 0.5, 0.3
         args.devices, args.batch = 128, "1,16"
     return args
 
@@ -511,13 +521,19 @@ async def main(argv: Sequence[str] | None = None) -> int:
         for workers in _ints(args.workers):
             for batch in _ints(args.batch):
                 devices = max(args.devices, workers * batch)
-                config = Config(backend, workers, batch, args.duration, args.window, devices, args.rounds_ahead)
+                config = Config(
+                    backend, workers, batch, args.duration, args.window, devices, args.rounds_ahead
+                )
                 reports.append(await run_config(config, baselines[backend]))
     print_table(reports, baselines)
     if args.json is not None:
         document = {
             "command": ["python", "bench/store_bench.py", *(sys.argv[1:] if argv is None else argv)],
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+            "machine": {
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+            },
             "baselines_insert_tx_per_s": baselines,
             "runs": [asdict(r) for r in reports],
         }
@@ -541,7 +557,10 @@ def print_table(reports: Sequence[RunReport], baselines: dict[str, float]) -> No
             f"{r.median_results_per_s:>9,.0f} {drift:>10} {ratio:>10} {status:>10}"
         )
     for backend, rate in baselines.items():
-        print(f"baseline {backend}: {rate:,.0f} single-row INSERT transactions/s (SQLAlchemy Core, 1 connection)")
+        print(
+            f"baseline {backend}: {rate:,.0f} single-row INSERT transactions/s"
+            " (SQLAlchemy Core, 1 connection)"
+        )
 
 
 if __name__ == "__main__":
