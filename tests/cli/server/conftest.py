@@ -99,23 +99,19 @@ class Cli:
         )
 
 
-@pytest.fixture
-def coordinator(tmp_path: Path) -> Iterator[CoordinatorThread]:
-    """A plaintext coordinator with open enrolment on 127.0.0.1:0 and a fast round timeout sweep."""
-    settings = CoordinatorSettings(
-        data_dir=tmp_path / "data",
+def plaintext_settings(data_dir: Path) -> CoordinatorSettings:
+    """A plaintext coordinator with open enrolment on 127.0.0.1:0 and a fast maintenance sweep."""
+    return CoordinatorSettings(
+        data_dir=data_dir,
         listen_address="127.0.0.1:0",
         insecure=True,
         open_enrolment=True,
         reaper_interval=timedelta(seconds=0.2),
     )
-    with CoordinatorThread(settings) as running:
-        yield running
 
 
-@pytest.fixture
-def cli(coordinator: CoordinatorThread) -> Cli:
-    """The CLI pointed at the ``coordinator`` fixture."""
+def cli_for(coordinator: CoordinatorThread) -> Cli:
+    """The CLI pointed at a running coordinator through the environment."""
     return Cli(
         env={
             "FEDLINK_SERVER": coordinator.address,
@@ -124,6 +120,19 @@ def cli(coordinator: CoordinatorThread) -> Cli:
             "FEDLINK_DATA_DIR": str(coordinator.settings.data_dir),
         }
     )
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path) -> Iterator[CoordinatorThread]:
+    """A fresh plaintext coordinator for one test."""
+    with CoordinatorThread(plaintext_settings(tmp_path / "data")) as running:
+        yield running
+
+
+@pytest.fixture
+def cli(coordinator: CoordinatorThread) -> Cli:
+    """The CLI pointed at the ``coordinator`` fixture."""
+    return cli_for(coordinator)
 
 
 # ---- devices written against the generated stubs only ------------------------------------------------

@@ -27,7 +27,7 @@ INITIAL = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(3, n
 
 def write_job(folder: Path, *, rounds: int = 2, extra_fedavg: str = "", model: str = "initial.npz") -> Path:
     """A TOML job file beside an .npz initial model."""
-    np.savez(folder / "initial.npz", **INITIAL)
+    np.savez(folder / "initial.npz", w=INITIAL["w"], b=INITIAL["b"])
     path = folder / "job.toml"
     path.write_text(
         f"""
@@ -202,8 +202,8 @@ def test_submit_json_format_and_idempotent_model_upload(
 def test_submit_resumes_an_upload_the_coordinator_holds_part_of(
     cli: Cli, coordinator: CoordinatorThread, tmp_path: Path
 ) -> None:
-    big = {"w": np.random.default_rng(0).normal(size=(700, 1000)).astype(np.float32)}  # ~2.8 MB
-    np.savez(tmp_path / "big.npz", **big)
+    big = np.random.default_rng(0).normal(size=(700, 1000)).astype(np.float32)  # ~2.8 MB
+    np.savez(tmp_path / "big.npz", w=big)
     job_file = write_job(tmp_path, model="big.npz")
     data = load_job_file(job_file).model_bytes
     sha = hashlib.sha256(data).hexdigest()

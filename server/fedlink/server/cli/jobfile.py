@@ -301,9 +301,14 @@ def load_model_arrays(path: Path, *, where: str = "") -> dict[str, npt.NDArray[A
 
 def _load_npz(path: Path, prefix: str) -> dict[str, npt.NDArray[Any]]:
     try:
+        # Opened here rather than by np.load, which leaks the handle when the archive is corrupt.
         # allow_pickle=False: a model file must never run code; object arrays are refused.
-        with np.load(path, allow_pickle=False) as archive:
-            return {name: np.asarray(archive[name]) for name in archive.files}
+        with path.open("rb") as file:
+            loaded = np.load(file, allow_pickle=False)
+            if not isinstance(loaded, np.lib.npyio.NpzFile):
+                raise InvalidArgument(f"{prefix}model {path} holds one unnamed array, not an .npz archive")
+            with loaded as archive:
+                return {name: np.asarray(archive[name]) for name in archive.files}
     except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
         raise InvalidArgument(f"{prefix}model {path} is not a readable .npz file: {exc}") from None
 

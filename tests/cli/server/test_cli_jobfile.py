@@ -1,0 +1,185 @@
+"""Malformed job files: each is a clear error naming the file or key, exit 2, and nothing is submitted."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedlink.common.dxo import DXO, DataKind
+from fedlink.common.errors import InvalidArgument
+from fedlink.server.cli.jobfile import load_job_file
+from fedlink.v1 import control_service_pb2 as cpb
+
+from .conftest import Cli, CoordinatorThread, cli_for, plaintext_settings
+
+GOOD_TOML = """
+name = "digits"
+model = "initial.npz"
+[fedavg]
+num_rounds = 3
+devices_per_round = 2
+min_results = 2
+round_timeout = "1m30s"
+evaluate = true
+round_failure_policy = "fail"
+keep_checkpoints = 1
+[job_data]
+executors = { "*" = "@trainer" }
+"""
+
+
+@pytest.fixture(scope="module")
+def shared_cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cli]:
+    """One coordinator for every refused file: none of them may leave a job behind."""
+    with CoordinatorThread(plaintext_settings(tmp_path_factory.mktemp("coordinator"))) as running:
+        yield cli_for(running)
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    np.savez(tmp_path / "initial.npz", w=np.ones((2, 2), np.float32), step=np.array([3], np.int64))
+    return tmp_path
+
+
+def test_a_good_toml_file_maps_to_the_job_spec(folder: Path) -> None:
+    path = folder / "job.toml"
+    path.write_text(GOOD_TOML)
+    job = load_job_file(path)
+    spec = job.spec("ab" * 32, 123)
+    assert spec.name == "digits"
+    assert spec.fedavg.num_rounds == 3
+    assert spec.fedavg.devices_per_round == 2
+    assert spec.fedavg.round_timeout.ToTimedelta().total_seconds() == 90
+    assert spec.fedavg.evaluate is True
+    assert spec.fedavg.round_failure_policy == cpb.ROUND_FAILURE_POLICY_FAIL
+    assert spec.fedavg.keep_checkpoints == 1
+    assert json.loads(spec.job_data) == {"executors": {"*": "@trainer"}}
+    assert (spec.initial_model.sha256, spec.initial_model.size_bytes) == ("ab" * 32, 123)
+    model = DXO.from_bytes(job.model_bytes)
+    assert model.kind is DataKind.WEIGHTS
+    np.testing.assert_array_equal(model.data["w"], np.ones((2, 2), np.float32))
+    assert model.data["step"].dtype == np.int64
+
+
+def test_a_json_file_with_an_absolute_model_path_works(folder: Path, tmp_path: Path) -> None:
+    path = tmp_path / "elsewhere" / "job.json"
+    path.parent.mkdir()
+    document = {
+        "name": "j",
+        "model": str(folder / "initial.npz"),
+        "fedavg": {"num_rounds": 1, "fraction": 0.5},
+    }
+    path.write_text(json.dumps(document))
+    job = load_job_file(path)
+    assert job.fedavg.fraction == 0.5
+    assert not job.fedavg.HasField("round_timeout")  # unset: the coordinator's default
+    assert job.job_data == "{}"
+
+
+BAD_FILES: list[tuple[str, str, str]] = [
+    ("job.toml", 'name = "x"\nmodel = [', "not valid TOML"),
+    ("job.json", '{"name": "x",', "not valid JSON"),
+    ("job.json", "[1, 2]", "must be a JSON object"),
+    ("job.yaml", "name: x", ".toml or .json"),
+    ("job.toml", 'owner = "me"\n' + GOOD_TOML, "unknown key(s) owner"),
+    ("job.toml", GOOD_TOML.replace('name = "digits"', ""), "name is missing"),
+    ("job.toml", GOOD_TOML.replace('name = "digits"', "name = 5"), "name must be a non-empty string"),
+    ("job.toml", GOOD_TOML.replace("evaluate = true", "rounds = 3"), "unknown key(s) in fedavg: rounds"),
+    (
+        "job.toml",
+        GOOD_TOML.replace("num_rounds = 3", 'num_rounds = "3"'),
+        "fedavg.num_rounds must be a whole",
+    ),
+    ("job.toml", GOOD_TOML.replace("num_rounds = 3", "num_rounds = 0"), "fedavg.num_rounds must be between"),
+    ("job.toml", GOOD_TOML.replace("num_rounds = 3", ""), "fedavg.num_rounds is missing"),
+    (
+        "job.toml",
+        GOOD_TOML.replace("evaluate = true", "evaluate = 1"),
+        "fedavg.evaluate must be true or false",
+    ),
+    ("job.toml", GOOD_TOML.replace('"1m30s"', '"soon"'), "fedavg.round_timeout: not a duration"),
+    ("job.toml", GOOD_TOML.replace('"fail"', '"ignore"'), "round_failure_policy must be 'retry' or 'fail'"),
+    ("job.toml", GOOD_TOML.replace("min_results = 2", "min_results = 5"), "min_results cannot exceed"),
+    ("job.toml", GOOD_TOML.replace("[fedavg]", "[fedavg]\nfraction = 0.5"), "fraction or devices_per_round"),
+    (
+        "job.toml",
+        GOOD_TOML.replace('model = "initial.npz"', 'model = "missing.npz"'),
+        "missing.npz does not exist",
+    ),
+    ("job.toml", GOOD_TOML.replace('model = "initial.npz"', 'model = "model.pt"'), ".npz or .safetensors"),
+    (
+        "job.toml",
+        GOOD_TOML.replace('model = "initial.npz"', 'model = "bools.npz"'),
+        "array 'mask' has dtype bool",
+    ),
+    ("job.toml", GOOD_TOML.replace('model = "initial.npz"', 'model = "objects.npz"'), "not a readable .npz"),
+    ("job.toml", GOOD_TOML.replace('model = "initial.npz"', 'model = "empty.npz"'), "holds no arrays"),
+    ("job.toml", GOOD_TOML.replace('model = "initial.npz"', 'model = "broken.npz"'), "not a readable .npz"),
+    ("job.toml", GOOD_TOML.replace('model = "initial.npz"', 'model = "single.npz"'), "one unnamed array"),
+    (
+        "job.toml",
+        GOOD_TOML.replace("[job_data]", "[job_data]\nwhen = 1979-05-27"),
+        "job_data cannot be sent as JSON",
+    ),
+    (
+        "job.toml",
+        GOOD_TOML.replace('model = "initial.npz"', 'model = "initial.npz"\ndevice_selector = { cores = 4 }'),
+        "device_selector.cores must be a string",
+    ),
+]
+
+
+def _write_models(folder: Path) -> None:
+    np.savez(folder / "bools.npz", mask=np.array([True, False]))
+    np.savez(folder / "objects.npz", o=np.array([{"a": 1}], dtype=object))
+    np.savez(folder / "empty.npz")
+    (folder / "broken.npz").write_bytes(b"PK\x03\x04 not really a zip")
+    (folder / "model.pt").write_bytes(b"\x80\x02")
+    with (folder / "single.npz").open("wb") as file:
+        np.save(file, np.zeros(3))
+
+
+@pytest.mark.parametrize(("name", "text", "message"), BAD_FILES, ids=[c[2] for c in BAD_FILES])
+def test_a_malformed_job_file_is_refused_and_nothing_is_submitted(
+    shared_cli: Cli, folder: Path, name: str, text: str, message: str
+) -> None:
+    _write_models(folder)
+    path = folder / name
+    path.write_text(text)
+    with pytest.raises(InvalidArgument) as caught:
+        load_job_file(path)
+    assert message in caught.value.message
+    assert str(folder) in caught.value.message  # it names the file
+
+    result = shared_cli("job", "submit", str(path))
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: ")
+    assert message in result.stderr
+    assert "Traceback" not in result.output
+    listed = shared_cli("job", "list", "--format", "json")
+    assert listed.exit_code == 0, listed.output
+    assert json.loads(listed.stdout) == []
+
+
+def test_a_missing_job_file_is_refused(shared_cli: Cli, tmp_path: Path) -> None:
+    result = shared_cli("job", "submit", str(tmp_path / "nope.toml"))
+    assert result.exit_code == 2
+    assert "nope.toml does not exist" in result.stderr
+
+
+def test_safetensors_without_the_package_is_a_clear_error(folder: Path) -> None:
+    pytest.importorskip("numpy")
+    try:
+        import safetensors  # type: ignore[import-not-found, unused-ignore]  # noqa: F401
+    except ImportError:
+        (folder / "m.safetensors").write_bytes(b"{}")
+        path = folder / "job.toml"
+        path.write_text(GOOD_TOML.replace("initial.npz", "m.safetensors"))
+        with pytest.raises(InvalidArgument, match="needs the safetensors package"):
+            load_job_file(path)
+    else:
+        pytest.skip("safetensors is installed; its loading is covered by its own tests")
