@@ -312,7 +312,7 @@ class DeviceProtocol:
     ) -> TaskReply:
         """Hands out the device's next task of the job, waiting up to ``wait`` for one."""
         if cookie:
-            self._signer.verify(cookie, device_id=device.device_id, job_id=job_id)
+            await self._verify_cookie(cookie, device, job_id)
         job = await self._store.get_job(job_id)
         if job.state in _FINAL_JOB_STATES:
             return TaskReply(status=DeviceStatus.DONE)
@@ -363,16 +363,25 @@ class DeviceProtocol:
             self._payloads[sha256] = payload
         return payload
 
+    async def _verify_cookie(self, cookie: bytes, device: Device, job_id: str) -> Cookie:
+        try:
+            return self._signer.verify(cookie, device_id=device.device_id, job_id=job_id)
+        except InvalidArgument:
+            # Looked up only on this error path: an unknown job is NOT_FOUND whatever the cookie says.
+            await self._store.get_job(job_id)
+            raise
+
     async def _held_assignment(self, device: Device, job_id: str, task_id: str, cookie: bytes) -> Assignment:
         if not cookie:
             raise InvalidArgument("the cookie from GetTask is required")
-        said = self._signer.verify(cookie, device_id=device.device_id, job_id=job_id)
+        said = await self._verify_cookie(cookie, device, job_id)
         if not said.assignment_id:
             raise InvalidArgument(
                 "this cookie does not hand out a task: use the one GetTask returned with it"
             )
         assignment = await self._store.get_assignment(said.assignment_id)
         if assignment.task_id != task_id:
+            await self._store.get_task(task_id)  # an unknown task is NOT_FOUND; a known one a mismatch
             raise InvalidArgument(f"the cookie is for task {assignment.task_id}, not {task_id}")
         if assignment.device_id != device.device_id:  # pragma: no cover - the signature binds it
             raise PermissionDenied("this assignment belongs to another device")
