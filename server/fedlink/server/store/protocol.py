@@ -115,6 +115,26 @@ class RecordOutcome:
     duplicate: bool
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundSummary:
+    """How a round's tasks of one name stand, counted by the store."""
+
+    #: Tasks of the round (all waves, open or not).
+    tasks: int
+    #: Tasks of the first wave (those created first): the round's sample size.
+    first_wave: int
+    #: Tasks still open.
+    open: int
+    #: Tasks with an accepted successful result.
+    succeeded: int
+    #: Open tasks whose device may still report (no result, not lost).
+    owing: int
+    #: Open tasks without a result whose device was lost (lease expired, released, failed).
+    lost_open: int
+    #: The earliest deadline among open tasks, if any are open.
+    next_deadline: datetime | None
+
+
 class BlobStore(Protocol):
     """Content-addressed byte strings (sha256), streamed in chunks: never a whole blob in memory."""
 
@@ -300,6 +320,10 @@ class StateStore(Protocol):
         """Close an OPEN task: later reports for it are stale."""
         ...
 
+    async def cancel_task(self, task_id: str) -> Task:
+        """Cancel an OPEN task."""
+        ...
+
     async def cancel_job_tasks(self, job_id: str) -> int:
         """Cancel every OPEN task of a job; return how many."""
         ...
@@ -347,6 +371,14 @@ class StateStore(Protocol):
         """True if the blob is the input of a task the device holds (or held) an assignment for."""
         ...
 
+    async def round_summary(self, *, run_id: str, round: int, name: str) -> RoundSummary:
+        """Count a round's tasks of one name by what their devices did."""
+        ...
+
+    async def close_round_tasks(self, *, run_id: str, round: int, name: str) -> int:
+        """Close every OPEN task of a round of one name; return how many closed."""
+        ...
+
     # ---- results ----
     async def record_results(
         self, reports: Sequence[ResultReport], now: datetime
@@ -380,4 +412,8 @@ class StateStore(Protocol):
 
     async def recall_reply(self, scope: str, request_id: str) -> bytes | None:
         """Return the reply kept for this request, or None if it was never answered."""
+        ...
+
+    async def forget_replies(self, older_than: datetime) -> int:
+        """Drop idempotency records kept before ``older_than``; return how many."""
         ...

@@ -5,14 +5,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
 
-from fedlink.server.domain import Assignment
+from fedlink.server.domain import Assignment, AssignmentState, ResultStatus, TaskState
 from fedlink.server.store import rows
 from fedlink.server.store.core import StoreCore
-from fedlink.server.store.schema import assignments, task_targets, tasks
+from fedlink.server.store.protocol import RoundSummary
+from fedlink.server.store.schema import assignments, results, task_targets, tasks
 
 # Keeps IN lists well below SQLite's bound-parameter limit.
 _IN_BATCH = 500
+_HELD = [AssignmentState.LEASED.value, AssignmentState.COMPLETED.value]
+_LOST = [AssignmentState.EXPIRED.value, AssignmentState.RELEASED.value, AssignmentState.FAILED.value]
 
 
 class RoundQueries(StoreCore):
@@ -57,3 +61,54 @@ class RoundQueries(StoreCore):
         )
         async with self._db.read() as conn:
             return (await conn.execute(query)).first() is not None
+
+    async def round_summary(self, *, run_id: str, round: int, name: str) -> RoundSummary:
+        """Counts a round's tasks of one name by what their devices did (one query, no payloads)."""
+        t = tasks.alias("t")
+        answered = sa.exists().where(results.c.task_id == t.c.task_id, results.c.stale.is_(False))
+        succeeded = sa.exists().where(
+            results.c.task_id == t.c.task_id,
+            results.c.status == ResultStatus.SUCCEEDED.value,
+            results.c.accepted.is_(True),
+        )
+        held = sa.exists().where(assignments.c.task_id == t.c.task_id, assignments.c.state.in_(_HELD))
+        lost = sa.exists().where(assignments.c.task_id == t.c.task_id, assignments.c.state.in_(_LOST))
+        query = sa.select(t.c.state, t.c.created_at, t.c.deadline, answered, succeeded, held, lost).where(
+            t.c.run_id == run_id, t.c.round == round, t.c.name == name
+        )
+        async with self._db.read() as conn:
+            found = (await conn.execute(query)).all()
+        open_state = TaskState.OPEN.value
+        first = min((r[1] for r in found), default=None)
+        open_rows = [r for r in found if r[0] == open_state]
+        return RoundSummary(
+            tasks=len(found),
+            first_wave=sum(1 for r in found if r[1] == first),
+            open=len(open_rows),
+            succeeded=sum(1 for r in found if r[4]),
+            owing=sum(1 for r in open_rows if not r[3] and not (r[6] and not r[5])),
+            # A failed result counts as lost too: its slot is free for a replacement device.
+            lost_open=sum(1 for r in open_rows if r[6] and not r[5] and not r[4]),
+            next_deadline=min((r[2] for r in open_rows), default=None),
+        )
+
+    async def close_round_tasks(self, *, run_id: str, round: int, name: str) -> int:
+        """Close every OPEN task of a round of one name in one statement; return how many closed.
+
+        Later reports for them are recorded as stale: the round has moved on.
+        """
+        statement = (
+            sa.update(tasks)
+            .where(
+                tasks.c.run_id == run_id,
+                tasks.c.round == round,
+                tasks.c.name == name,
+                tasks.c.state == TaskState.OPEN.value,
+            )
+            .values(state=TaskState.CLOSED.value)
+        )
+
+        async def work(conn: AsyncConnection) -> int:
+            return (await conn.execute(statement)).rowcount
+
+        return await self._db.write(work)

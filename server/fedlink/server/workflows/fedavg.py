@@ -14,6 +14,7 @@ the same results give the same bits.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -165,9 +166,12 @@ class _RoundView:
 class FedAvg:
     """The FedAvg workflow."""
 
-    def __init__(self, params: FedAvgParams, *, poll_seconds: float = 1.0) -> None:
+    def __init__(
+        self, params: FedAvgParams, *, poll_seconds: float = 1.0, min_check_seconds: float = 0.05
+    ) -> None:
         self.params = params
         self._poll = poll_seconds
+        self._min_check = min(min_check_seconds, poll_seconds)
 
     async def run(self, ctx: WorkflowContext) -> None:
         """Runs rounds from the run's last checkpoint to ``num_rounds``."""
@@ -228,38 +232,49 @@ class FedAvg:
         as they are.
         """
         retries = 0
+        run_id = ctx.run.run_id
         while True:
-            view = await self._view(ctx, round_no, name)
-            if not view.tasks:
-                await self._start_wave(ctx, round_no, name, payload_sha, view, devices, wave=0)
+            summary = await ctx.store.round_summary(run_id=run_id, round=round_no, name=name)
+            if summary.tasks == 0:
+                await self._start_wave(ctx, round_no, name, payload_sha, None, devices, wave=0)
                 continue
-            needed = self.params.needed(self._wave_size(view)) if devices is None else 0
-            open_tasks = view.open()
-            if open_tasks:
+            needed = self.params.needed(summary.first_wave) if devices is None else 0
+            if summary.open:
                 now = ctx.clock.now()
-                deadline = min(t.deadline for t in open_tasks)
-                short = len(view.succeeded()) < needed
-                replaceable = short and now < deadline and devices is None
-                if replaceable and await self._replace_lost(ctx, round_no, name, payload_sha, view, deadline):
+                deadline = summary.next_deadline or now
+                short = summary.succeeded < needed
+                if short and summary.lost_open and now < deadline and devices is None:
+                    view = await self._view(ctx, round_no, name)
+                    if await self._replace_lost(ctx, round_no, name, payload_sha, view, deadline):
+                        continue
+                if now >= deadline or summary.owing == 0:
+                    await ctx.store.close_round_tasks(run_id=run_id, round=round_no, name=name)
                     continue
-                if now >= deadline or not view.owing():
-                    for task in open_tasks:
-                        await ctx.store.close_task(task.task_id)
-                    continue
-                await ctx.progress.wait(min(self._poll, (deadline - now).total_seconds()))
+                await self._pause(ctx, (deadline - now).total_seconds())
                 continue
-            if len(view.succeeded()) >= needed:
-                return view
+            if summary.succeeded >= needed:
+                return await self._view(ctx, round_no, name)
             retries += 1
             if self.params.round_failure_policy == "fail" or retries > self.params.max_round_retries:
-                raise RoundFailed(
-                    f"round {round_no} got {len(view.succeeded())} of the {needed} results it needs"
-                )
+                got = summary.succeeded
+                raise RoundFailed(f"round {round_no} got {got} of the {needed} results it needs")
             log.warning(
                 "round short of results; retrying",
                 extra={"job_id": ctx.job.job_id, "round": round_no, "retry": retries},
             )
+            view = await self._view(ctx, round_no, name)
             await self._start_wave(ctx, round_no, name, payload_sha, view, devices, wave=retries)
+
+    async def _pause(self, ctx: WorkflowContext, until_deadline: float) -> None:
+        """Waits for progress, but checks the store at most every ``min_check_seconds``.
+
+        Results arrive one by one; waking on each would re-read the round per result.
+        """
+        started = asyncio.get_running_loop().time()
+        await ctx.progress.wait(min(self._poll, max(0.0, until_deadline)))
+        rest = self._min_check - (asyncio.get_running_loop().time() - started)
+        if rest > 0:
+            await asyncio.sleep(min(rest, max(0.0, until_deadline)))
 
     def _wave_size(self, view: _RoundView) -> int:
         first = min(t.created_at for t in view.tasks)
@@ -282,7 +297,7 @@ class FedAvg:
         round_no: int,
         name: str,
         payload_sha: str,
-        view: _RoundView,
+        view: _RoundView | None,
         devices: Sequence[str] | None,
         *,
         wave: int,
@@ -300,11 +315,11 @@ class FedAvg:
             chosen = sample_devices(candidates, k, seed=self.params.seed, round=round_no, wave=0)
         else:
             # A retry asks again, among everyone who has not delivered a result this round.
-            delivered = {r.device_id for r in view.succeeded()}
+            delivered = {r.device_id for r in view.succeeded()} if view is not None else set()
             candidates = [d for d in await self._eligible(ctx) if d not in delivered]
             if not candidates:
                 raise RoundFailed(f"round {round_no} is short of results and no other device is online")
-            k = min(len(candidates), self._wave_size(view))
+            k = min(len(candidates), self._wave_size(view) if view is not None else len(candidates))
             chosen = sample_devices(candidates, k, seed=self.params.seed, round=round_no, wave=wave)
         deadline = ctx.clock.now() + timedelta(seconds=self.params.round_timeout_s)
         await self._hand_out(ctx, round_no, name, payload_sha, chosen, deadline)
