@@ -61,7 +61,7 @@ def device_group() -> None:
 @format_option()
 @connection_options
 def list_command(state: str | None, limit: int, output_format: str, connection: ConnectionOptions) -> None:
-    """List enrolled devices in enrolment order."""
+    """List the enrolled devices."""
     wanted = (
         states_pb2.DeviceState.Value(f"DEVICE_STATE_{state.upper()}")
         if state
