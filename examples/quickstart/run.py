@@ -118,7 +118,7 @@ def start_coordinator(fedlink: str, data_dir: Path, admin_token: str) -> tuple[s
     raise SystemExit(f"the coordinator did not start (exit status {process.wait()})")
 
 
-def upload(control: cgrpc.ControlServiceStub, model: DXO, metadata: list[tuple[str, str]]) -> str:
+def upload(control: cgrpc.ControlServiceStub, model: DXO, metadata: tuple[tuple[str, str], ...]) -> str:
     """Uploads the initial model in chunks; returns its sha256."""
     data = model.to_bytes()
     sha = hashlib.sha256(data).hexdigest()
@@ -133,7 +133,7 @@ def upload(control: cgrpc.ControlServiceStub, model: DXO, metadata: list[tuple[s
 
 
 def submit(
-    control: cgrpc.ControlServiceStub, metadata: list[tuple[str, str]], devices: int, rounds: int
+    control: cgrpc.ControlServiceStub, metadata: tuple[tuple[str, str], ...], devices: int, rounds: int
 ) -> str:
     """Submits the FedAvg job: every device every round, every round's model kept."""
     initial = DXO(
@@ -162,7 +162,7 @@ def submit(
 
 
 def download(
-    control: cgrpc.ControlServiceStub, metadata: list[tuple[str, str]], job_id: str, round_no: int
+    control: cgrpc.ControlServiceStub, metadata: tuple[tuple[str, str], ...], job_id: str, round_no: int
 ) -> DXO:
     """The global model after ``round_no`` (0: the final one)."""
     chunks = control.DownloadModel(cpb.DownloadModelRequest(job_id=job_id, round=round_no), metadata=metadata)
@@ -186,7 +186,9 @@ def start_runners(fedlink: str, address: str, work: Path, split: Split) -> list[
     return runners
 
 
-def wait_finished(control: cgrpc.ControlServiceStub, metadata: list[tuple[str, str]], job_id: str) -> cpb.Job:
+def wait_finished(
+    control: cgrpc.ControlServiceStub, metadata: tuple[tuple[str, str], ...], job_id: str
+) -> cpb.Job:
     """Polls the job until it is FINISHED (or fails, or two minutes pass)."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -221,7 +223,7 @@ def main() -> int:
         work.mkdir(parents=True, exist_ok=True)
         fedlink = fedlink_executable()
         token = uuid.uuid4().hex
-        metadata = [("authorization", f"Bearer {token}")]
+        metadata = (("authorization", f"Bearer {token}"),)
         coordinator, address = start_coordinator(fedlink, work / "coordinator", token)
         runners: list[subprocess.Popen[bytes]] = []
         try:
