@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime, timedelta
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -232,15 +233,9 @@ class ClaimQueries(StoreCore):
         return await self._db.write(work)
 
 
-def _may_take(device_id: str) -> sa.ColumnElement[bool]:
-    """The task is untargeted or targeted at the device, and the device has no assignment of it."""
-    targeted_at_device = sa.exists().where(
-        task_targets.c.task_id == tasks.c.task_id, task_targets.c.device_id == device_id
-    )
-    has_assignment = sa.exists().where(
-        assignments.c.task_id == tasks.c.task_id, assignments.c.device_id == device_id
-    )
-    return sa.and_(sa.or_(tasks.c.targeted.is_(False), targeted_at_device), ~has_assignment)
+def _has_assignment(device_id: str) -> sa.ColumnElement[bool]:
+    """The device already has an assignment (in any state) of the task: one per (task, device)."""
+    return sa.exists().where(assignments.c.task_id == tasks.c.task_id, assignments.c.device_id == device_id)
 
 
 def _active_count() -> sa.ScalarSelect[int]:
@@ -294,22 +289,61 @@ async def _claim_one(
         .order_by(assignments.c.created_at)
         .limit(1)
     )
-    candidates = (
+    # Two lookups, each served by its own index: the tasks offered to this device (FedAvg's), then
+    # the job's untargeted tasks. One OR-ed query would walk every open task of the job per claim.
+    if (row := (await conn.execute(held_query)).first()) is not None:
+        return rows.assignment(row)  # re-delivery: the device asks again for what it holds
+    for candidates in (_targeted_candidates(request, now), _untargeted_candidates(request, now)):
+        claimed = await _claim_from(insert, conn, held_query, candidates, request, now, lease)
+        if claimed is not None:
+            return claimed
+    return None
+
+
+def _targeted_candidates(request: ClaimRequest, now: datetime) -> sa.Select[Any]:
+    return (
         sa.select(tasks.c.task_id)
+        .select_from(task_targets.join(tasks, tasks.c.task_id == task_targets.c.task_id))
         .where(
+            task_targets.c.device_id == request.device_id,
             tasks.c.job_id == request.job_id,
             _OPEN_SQL,
             tasks.c.deadline > now,
-            _may_take(request.device_id),
+            ~_has_assignment(request.device_id),
             _active_count() < tasks.c.slots,
         )
         .order_by(tasks.c.created_at, tasks.c.task_id)
         .limit(1)
     )
+
+
+def _untargeted_candidates(request: ClaimRequest, now: datetime) -> sa.Select[Any]:
+    return (
+        sa.select(tasks.c.task_id)
+        .where(
+            tasks.c.job_id == request.job_id,
+            # Spelled like ix_tasks_open_untargeted_job_created's predicate, so the planner uses it.
+            sa.text("tasks.state = 'OPEN'"),
+            tasks.c.targeted == sa.false(),
+            tasks.c.deadline > now,
+            ~_has_assignment(request.device_id),
+            _active_count() < tasks.c.slots,
+        )
+        .order_by(tasks.c.created_at, tasks.c.task_id)
+        .limit(1)
+    )
+
+
+async def _claim_from(
+    insert: sa.Insert,
+    conn: AsyncConnection,
+    held_query: sa.Select[Any],
+    candidates: sa.Select[Any],
+    request: ClaimRequest,
+    now: datetime,
+    lease: timedelta,
+) -> Assignment | None:
     for _ in range(_MAX_LOOKS):
-        # Checked on every look: a concurrent request of the same device may have won meanwhile.
-        if (row := (await conn.execute(held_query)).first()) is not None:
-            return rows.assignment(row)
         pick = candidates.with_only_columns(
             sa.literal(new_id(), assignments.c.assignment_id.type),
             tasks.c.task_id,
@@ -336,4 +370,7 @@ async def _claim_one(
         # Nothing inserted: either nothing is left, or a concurrent claim took the slot first.
         if (await conn.execute(candidates)).first() is None:
             return None
+        # A concurrent request of the same device may have won meanwhile: it gets that one again.
+        if (row := (await conn.execute(held_query)).first()) is not None:
+            return rows.assignment(row)
     return None

@@ -304,7 +304,7 @@ class StateStore(Protocol):
         ...
 
     # ---- tasks ----
-    async def create_tasks(self, tasks: Sequence[NewTask]) -> Sequence[Task]:
+    async def create_tasks(self, new_tasks: Sequence[NewTask]) -> Sequence[Task]:
         """Create OPEN tasks in one transaction."""
         ...
 

@@ -147,6 +147,14 @@ tasks = sa.Table(
         sqlite_where=sa.text("state = 'OPEN'"),
         postgresql_where=sa.text("state = 'OPEN'"),
     ),
+    # Claims of untargeted tasks must not walk a job's targeted ones (FedAvg targets every task).
+    sa.Index(
+        "ix_tasks_open_untargeted_job_created",
+        "job_id",
+        "created_at",
+        sqlite_where=sa.text("state = 'OPEN' AND targeted = 0"),
+        postgresql_where=sa.text("state = 'OPEN' AND targeted = false"),
+    ),
 )
 
 task_targets = sa.Table(
@@ -154,6 +162,8 @@ task_targets = sa.Table(
     metadata,
     _id("task_id", _cascade("tasks.task_id"), primary_key=True),
     _id("device_id", primary_key=True),
+    # A device's claim finds the tasks offered to it by this index, not by scanning the job's tasks.
+    sa.Index("ix_task_targets_device_task", "device_id", "task_id"),
 )
 
 _ACTIVE = sa.text("state IN ('LEASED', 'COMPLETED')")
