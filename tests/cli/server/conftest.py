@@ -7,7 +7,10 @@ background thread; tests are plain functions that invoke the CLI in-process with
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import threading
+import time
 import uuid
 from collections.abc import Coroutine, Iterator, Mapping
 from concurrent.futures import Future
@@ -209,3 +212,64 @@ class StubDevice:
             assert reply.status == rpb.RUNNER_STATUS_OK, reply
             cookie = reply.cookie
             done += 1
+
+
+# ---- the outside world: a network that drops a connection ---------------------------------------------
+
+
+class CuttingProxy:
+    """A TCP proxy on 127.0.0.1 whose first connection is cut after ``cut_after`` bytes from the client.
+
+    It stands in for a network that drops a long upload; later connections are forwarded untouched.
+    """
+
+    def __init__(self, target: str, *, cut_after: int) -> None:
+        host, port = target.rsplit(":", 1)
+        self._target = (host, int(port))
+        self._cut_after = cut_after
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self.connections = 0
+        self.cuts = 0
+        self._sockets: list[socket.socket] = [self._listener]
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, name="proxy-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(self._target)
+            with self._lock:
+                self.connections += 1
+                limit = self._cut_after if self.connections == 1 else None
+                self._sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, limit), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, None), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, limit: int | None) -> None:
+        forwarded = 0
+        try:
+            while data := source.recv(65536):
+                if limit is not None and forwarded + len(data) > limit:
+                    # Hold the cut a moment, as a stalled link would, so the coordinator has stored
+                    # what reached it; then drop the connection mid-stream.
+                    time.sleep(1.0)
+                    with self._lock:
+                        self.cuts += 1
+                    break
+                sink.sendall(data)
+                forwarded += len(data)
+        except OSError:
+            pass
+        for sock in (source, sink):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        """Closes the listener and every forwarded connection."""
+        with self._lock:
+            for sock in self._sockets:
+                sock.close()

@@ -20,7 +20,7 @@ from fedlink.v1 import control_service_pb2 as cpb
 from fedlink.v1 import control_service_pb2_grpc as cgrpc
 from fedlink.v1 import dxo_pb2
 
-from .conftest import Cli, CoordinatorThread, StubDevice
+from .conftest import Cli, CoordinatorThread, CuttingProxy, StubDevice
 
 INITIAL = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(3, np.float32)}
 
@@ -286,3 +286,26 @@ def test_watch_of_an_unknown_job_fails_at_once(cli: Cli) -> None:
     assert result.exit_code == 1
     assert result.stderr.startswith("error: NOT_FOUND: ")
     assert time.monotonic() - started < 5
+
+
+def test_submit_resumes_an_upload_whose_connection_dropped(
+    cli: Cli, coordinator: CoordinatorThread, tmp_path: Path
+) -> None:
+    big = np.random.default_rng(1).normal(size=(900, 1000)).astype(np.float32)  # ~3.6 MB: 4 chunks
+    np.savez(tmp_path / "big.npz", w=big)
+    job_file = write_job(tmp_path, model="big.npz")
+    sha = hashlib.sha256(load_job_file(job_file).model_bytes).hexdigest()
+    proxy = CuttingProxy(coordinator.address, cut_after=2 * 1024 * 1024 + 100_000)
+    try:
+        result = cli(
+            "job", "submit", str(job_file), "--format", "json", env={"FEDLINK_SERVER": proxy.address}
+        )
+    finally:
+        proxy.close()
+    assert result.exit_code == 0, result.output
+    assert proxy.cuts == 1 and proxy.connections >= 2
+    resumed = [line for line in result.stderr.splitlines() if line.startswith("upload interrupted")]
+    assert len(resumed) == 1, result.stderr
+    offset = int(resumed[0].split("resuming from byte ")[1].split()[0])
+    assert 0 < offset < len(load_job_file(job_file).model_bytes)  # it went on from where it was cut
+    assert json.loads(result.stdout)["initial_model"]["sha256"] == sha
