@@ -164,12 +164,16 @@ def check_protocol_version(version: str) -> None:
     """Refuses a device protocol with another major version than ours.
 
     Raises:
+        InvalidArgument: the version is not "MAJOR.MINOR".
         FailedPrecondition: saying which side to upgrade.
     """
     if not version:
         return  # older clients that do not say; the first incompatible call will fail loudly
-    ours, _, _ = PROTOCOL_VERSION.partition(".")
-    theirs, _, _ = version.partition(".")
+    major, _, _ = version.partition(".")
+    if not major.isdigit():
+        raise InvalidArgument(f"protocol_version {version!r} is not MAJOR.MINOR, e.g. {PROTOCOL_VERSION!r}")
+    # Compared as numbers: as strings, "10" < "2" would tell the wrong side to upgrade.
+    ours, theirs = int(PROTOCOL_VERSION.partition(".")[0]), int(major)
     if theirs != ours:
         side = "the runner" if theirs < ours else "the coordinator"
         raise FailedPrecondition(
