@@ -509,9 +509,17 @@ async def test_a_cookie_of_an_expired_assignment_is_stale(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("rpc", ["Enroll", "GetJob"])
-@pytest.mark.parametrize(("version", "side"), [("2.0", "the coordinator"), ("0.9", "the runner")])
+@pytest.mark.parametrize(
+    ("version", "code", "says"),
+    [
+        ("2.0", PRECONDITION, "upgrade the coordinator"),
+        ("10.1", PRECONDITION, "upgrade the coordinator"),
+        ("0.9", PRECONDITION, "upgrade the runner"),
+        ("banana", INVALID, "MAJOR.MINOR"),
+    ],
+)
 async def test_an_incompatible_protocol_version_says_what_to_upgrade(
-    tmp_path: Path, rpc: str, version: str, side: str
+    tmp_path: Path, rpc: str, version: str, code: grpc.StatusCode, says: str
 ) -> None:
     settings = CoordinatorSettings(
         data_dir=tmp_path / "data", listen_address="127.0.0.1:0", insecure=True, open_enrolment=True
@@ -527,7 +535,7 @@ async def test_an_incompatible_protocol_version_says_what_to_upgrade(
                 call = device.stub.GetJob(
                     rpb.GetJobRequest(protocol_version=version), metadata=device.metadata
                 )
-            await expect(call, PRECONDITION, version, f"upgrade {side}")
+            await expect(call, code, version, says)
 
 
 @dataclass(slots=True, kw_only=True)
