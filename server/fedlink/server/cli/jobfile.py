@@ -49,6 +49,7 @@ from fedlink.server.workflows.fedavg import FedAvgParams
 from fedlink.v1 import control_service_pb2 as cpb
 
 _TOP_KEYS: Final = frozenset({"name", "model", "device_selector", "fedavg", "job_data"})
+_MAX_NAME: Final = 128  # the control protocol's limit (JobSpec.name)
 _INT32_MAX: Final = 2**31 - 1
 _INT64: Final = (-(2**63), 2**63 - 1)
 _POLICIES: Final = {
@@ -94,8 +95,8 @@ def load_job_file(path: Path) -> JobFile:
             f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(_TOP_KEYS))}"
         )
     name = _required(document, "name", where)
-    if not isinstance(name, str) or not name.strip():
-        raise InvalidArgument(f"{where}: name must be a non-empty string")
+    if not isinstance(name, str) or not 0 < len(name.strip()) <= _MAX_NAME:
+        raise InvalidArgument(f"{where}: name must be a string of 1 to {_MAX_NAME} characters")
     model = _required(document, "model", where)
     if not isinstance(model, str) or not model:
         raise InvalidArgument(f"{where}: model must be the path of a .npz or .safetensors file")
