@@ -148,6 +148,7 @@ def test_a_bad_environment_value_names_the_variable(tmp_path: Path) -> None:
     assert "environment variable FEDLINK_MAX_MESSAGE_BYTES" in result.output
 
 
+@pytest.mark.slow  # a whole coordinator process: ~2 s idle, ~6 s on a loaded machine
 def test_serve_defaults_to_tls_and_stops_gracefully_on_sigterm(serve: StartServe, tmp_path: Path) -> None:
     data = tmp_path / "data"
     server = serve("--data-dir", str(data), "--listen-address", "127.0.0.1:0", "--shutdown-grace", "2s")
@@ -177,6 +178,7 @@ def test_serve_defaults_to_tls_and_stops_gracefully_on_sigterm(serve: StartServe
     assert "stopping" in out and out.rstrip().endswith("stopped")
 
 
+@pytest.mark.slow  # a whole coordinator process: ~2 s idle, ~6 s on a loaded machine
 def test_precedence_flags_over_environment_over_file_and_insecure_with_sigint(
     serve: StartServe, tmp_path: Path
 ) -> None:
@@ -198,6 +200,7 @@ def test_precedence_flags_over_environment_over_file_and_insecure_with_sigint(
     assert code == 0, server.stderr_path.read_text()
 
 
+@pytest.mark.slow  # a whole coordinator process: ~2 s idle, ~6 s on a loaded machine
 def test_a_port_in_use_exits_1_with_a_clear_error(venv_bin: Path, tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
