@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 
 from bench import proc_stats
-from bench.child_processes import LoadProcess, ServerProcess, cpu_count, raise_open_files_limit
+from bench.child_processes import LoadProcess, Profiler, ServerProcess, cpu_count, raise_open_files_limit
 from bench.coordinator_admin import (
     FedAvgJob,
     ModelFile,
@@ -55,7 +55,7 @@ class Config:
     #: Devices in the throughput run; all of them take part in every round.
     devices: int = 1000
     #: FedAvg rounds of the throughput job (round 1 is warm-up; rounds 2.. are measured).
-    rounds: int = 15
+    rounds: int = 5
     #: grpc.aio channels the load process shares among its devices (and the echo callers).
     channels: int = 16
     #: Floats in the throughput job's model.
@@ -78,13 +78,15 @@ class Config:
     postgres_url: str | None = DEFAULT_PG_URL
     #: Which parts to run.
     parts: tuple[str, ...] = PARTS
+    #: Where py-spy writes profiles of the coordinator during the throughput runs; None: no profiling.
+    profile_dir: Path | None = None
 
 
 QUICK = Config(
     devices=50,
-    rounds=4,
+    rounds=3,
     channels=4,
-    echo_seconds=1.5,
+    echo_seconds=1.0,
     big_model_elements=MiB,
     idle_devices=200,
     idle_processes=1,
@@ -162,7 +164,10 @@ async def device_throughput(cfg: Config, workdir: Path, backend: str, db_url: st
                 "wait_s": 20.0,
             }
             cpu_before = proc_stats.cpu_seconds(coord.pid)
-            async with LoadProcess(spec, workdir, f"devices-{backend}") as load:
+            async with (
+                Profiler(cfg.profile_dir, coord.pid, f"coordinator-{backend}"),
+                LoadProcess(spec, workdir, f"devices-{backend}") as load,
+            ):
                 result = await load.event("result", timeout_s=60 + cfg.rounds * 120)
             result["coordinator_cpu_s"] = round(proc_stats.cpu_seconds(coord.pid) - cpu_before, 2)
             result["coordinator_peak_rss_mib"] = round(proc_stats.memory_use(coord.pid).peak_bytes / MiB, 1)
@@ -361,7 +366,10 @@ async def _postgres_throughput(cfg: Config, workdir: Path) -> dict[str, Any]:
 
 async def run(cfg: Config, workdir: Path) -> dict[str, Any]:
     """Runs the chosen parts and returns every figure, ratio and check."""
-    report: dict[str, Any] = {"config": asdict(cfg), "cpus": cpu_count(), "open_files_limit": 0}
+    report: dict[str, Any] = {
+        "config": asdict(cfg) | {"profile_dir": str(cfg.profile_dir)},
+        "cpus": cpu_count(),
+    }
     report["open_files_limit"] = raise_open_files_limit(
         2 * cfg.idle_devices // max(1, cfg.idle_processes) + 4096
     )
@@ -488,6 +496,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=os.environ.get("FEDLINK_BENCH_PG_URL", DEFAULT_PG_URL),
         help="PostgreSQL maintenance database URL; 'none' to skip (env FEDLINK_BENCH_PG_URL)",
     )
+    parser.add_argument("--profile", type=Path, help="py-spy the coordinator during throughput runs into DIR")
     parser.add_argument("--keep-workdir", action="store_true", help="keep the logs and databases")
     return parser.parse_args(argv)
 
@@ -499,7 +508,8 @@ def config_from(args: argparse.Namespace) -> Config:
     unknown = set(parts) - set(PARTS)
     if unknown:
         raise SystemExit(f"unknown parts: {', '.join(sorted(unknown))}")
-    cfg = replace(cfg, parts=parts, postgres_url=None if args.postgres == "none" else args.postgres)
+    postgres_url = None if args.postgres == "none" else args.postgres
+    cfg = replace(cfg, parts=parts, postgres_url=postgres_url, profile_dir=args.profile)
     overrides = {
         "devices": args.devices,
         "rounds": args.rounds,
