@@ -303,6 +303,10 @@ class Runner:
     async def _do_task(self, job: _Job, offer: TaskOffer) -> bool:
         """TASK and REPORT; returns False when the job is over (DONE)."""
         started = time.monotonic()
+        _log.info(
+            f"task {offer.task_name} {offer.task_id} of job {job.job_id} received",
+            extra={"job_id": job.job_id, "task_id": offer.task_id, "task_name": offer.task_name},
+        )
         signal = Signal()
         self._task_signal = signal
         if self.abort_signal.triggered:

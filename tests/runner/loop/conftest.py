@@ -131,7 +131,9 @@ def digits_npz(directory: Path, partitions: int, *, seed: int = 0) -> list[Path]
     for i, part in enumerate(np.array_split(order, partitions)):
         cut = int(len(part) * 0.8)
         path = directory / f"part{i}.npz"
-        np.savez(path, x_train=x[part[:cut]], y_train=y[part[:cut]], x_valid=x[part[cut:]], y_valid=y[part[cut:]])
+        np.savez(
+            path, x_train=x[part[:cut]], y_train=y[part[:cut]], x_valid=x[part[cut:]], y_valid=y[part[cut:]]
+        )
         paths.append(path)
     return paths
 

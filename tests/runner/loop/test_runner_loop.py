@@ -82,13 +82,18 @@ class EventLog:
         self.events.append((event_type, str(ctx.get(ContextKey.TASK_ID))))
 
 
-REGISTRY = ResolverRegistry({"Exploding": Exploding, "ReturnsNumber": ReturnsNumber, "Garbage": GarbageFilter})
+REGISTRY = ResolverRegistry(
+    {"Exploding": Exploding, "ReturnsNumber": ReturnsNumber, "Garbage": GarbageFilter}
+)
 
 
 @pytest.mark.parametrize(
     ("job_data", "message"),
     [
-        ({"components": [{"type": "Exploding", "name": "x"}], "executors": {"*": "@x"}}, "ValueError: boom 42"),
+        (
+            {"components": [{"type": "Exploding", "name": "x"}], "executors": {"*": "@x"}},
+            "ValueError: boom 42",
+        ),
         (
             {"components": [{"type": "ReturnsNumber", "name": "x"}], "executors": {"*": "@x"}},
             "executor ReturnsNumber returned int, not a DXO",
@@ -120,7 +125,9 @@ async def test_a_broken_task_is_reported_failed_with_its_cause(
     runner = make_runner(control, tmp_path / "state", part, resolver_registry=REGISTRY)
     task = asyncio.create_task(runner.run_async())
     deadline = time.monotonic() + 20
-    while not runner.history and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        if runner.history:
+            break
         await asyncio.sleep(0.02)
     runner.stop()
     await asyncio.wait_for(task, 10)  # the runner itself did not crash
@@ -144,7 +151,9 @@ async def test_filters_and_events_run_in_order(control: Control, tmp_path: Path)
             return dxo
 
     log = EventLog()
-    registry = ResolverRegistry({"JobIn": lambda: Tag("job-in"), "JobOut": lambda: Tag("job-out"), "Log": lambda: log})
+    registry = ResolverRegistry(
+        {"JobIn": lambda: Tag("job-in"), "JobOut": lambda: Tag("job-out"), "Log": lambda: log}
+    )
     job_data = softmax_job()
     job_data["components"] += [
         {"type": "JobIn", "name": "ji"},

@@ -251,7 +251,7 @@ class GrpcTransport(Transport):
                 delay = self.config.backoff.delay(failures)
                 failures += 1
                 _log.info(
-                    "coordinator call failed, retrying",
+                    f"{rpc} failed ({code.name}), retry {failures} in {delay:.3f}s",
                     extra={"rpc": rpc, "code": code.name, "attempt": failures, "delay_s": round(delay, 3)},
                 )
                 await asyncio.sleep(delay)
