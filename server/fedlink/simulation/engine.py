@@ -1,0 +1,367 @@
+"""Runs a simulation: the real coordinator core, and one real Runner loop per virtual device.
+
+The order of a run: open a coordinator core on an in-memory (or file) SQLite store; enrol the N
+virtual devices; submit the job exactly as an operator would (initial model as a blob, then
+``submit_job``); start one Runner per device over the in-process transport, its task work sent to
+the backend's pool; follow the job's events until it is final; collect the result from the store;
+stop the Runners and the core. Nothing of the workflow, the store or the Runner is re-implemented.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from fedlink.common.dxo import DXO
+from fedlink.common.errors import InvalidArgument
+from fedlink.runner.config import ResolverRegistry
+from fedlink.runner.loop import Runner
+from fedlink.runner.spec import DataSource, Executor
+from fedlink.runner.transport.backoff import Backoff
+from fedlink.server.core import CoordinatorCore
+from fedlink.server.domain import JobEvent, JobState, ResultStatus
+from fedlink.server.protocol.control import JobSubmission
+from fedlink.server.protocol.events import JOB_STATE_CHANGED
+from fedlink.server.settings import CoordinatorSettings
+from fedlink.simulation.backends import ExecutorPool, TaskRouter
+from fedlink.simulation.components import shared_registry
+from fedlink.simulation.heterogeneity import Heterogeneity
+from fedlink.simulation.job import SimulationJob
+from fedlink.simulation.progress import ProgressSink
+from fedlink.simulation.result import Failure, RoundRecord, SimulationError, SimulationResult
+from fedlink.simulation.transport import DeviceHub, InProcessTransport, LiveCounts
+
+log = logging.getLogger(__name__)
+
+#: The component type an ``Executor`` given as ``runner=`` is registered under.
+EXECUTOR_TYPE = "SimulationExecutor"
+#: Devices enrolled concurrently (each is one store transaction).
+_ENROL_BATCH = 512
+#: Idle devices hold one long poll this long; every real wake-up comes from a notification, so a long
+#: wait costs nothing and keeps 10,000 idle devices from re-polling the store.
+_TASK_WAIT = timedelta(seconds=30)
+#: How long stopped Runners get to finish before their tasks are cancelled.
+_STOP_GRACE_S = 5.0
+_TICK_S = 0.25
+_SUPERVISOR_LOGGER = "fedlink.server.services.supervisor"
+
+RunnerArg = Mapping[str, Any] | str | ResolverRegistry | Executor | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """Everything a run needs, checked before anything starts."""
+
+    job: SimulationJob
+    num_devices: int
+    job_data: str
+    registry: ResolverRegistry | None
+    data: DataSource | None
+    device_info: Mapping[str, str]
+    heterogeneity: Heterogeneity
+    seed: int
+    #: ":memory:" (SQLite's in-memory database) or the path of a new SQLite file.
+    store: str | Path
+    timeout_s: float
+    sinks: Sequence[ProgressSink] = field(default=())
+
+
+def make_plan(
+    job: SimulationJob,
+    num_devices: int,
+    *,
+    runner: RunnerArg,
+    data: DataSource | None,
+    device_info: Mapping[str, str] | None,
+    heterogeneity: Heterogeneity | None,
+    seed: int | None,
+    store: str | Path,
+    timeout: float | None,
+    share_components: bool,
+    sinks: Sequence[ProgressSink],
+) -> Plan:
+    """Checks the arguments of a simulation and resolves ``runner=`` into job_data and a registry.
+
+    Raises:
+        InvalidArgument: naming the argument that is wrong.
+    """
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+        raise InvalidArgument(f"num_devices must be an integer >= 1, not {num_devices!r}")
+    if not isinstance(job, SimulationJob):
+        raise InvalidArgument(f"job must be a SimulationJob (or a job file path), not {type(job).__name__}")
+    job = job.with_seed(seed)
+    job.model_dxo()  # checked now, not after the devices are enrolled
+    job_data = job.job_data_json()
+    app: ResolverRegistry | None = None
+    if isinstance(runner, ResolverRegistry):
+        app = runner
+    elif isinstance(runner, Mapping | str):
+        job_data = SimulationJob(name=job.name, params=job.params, model={}, job_data=runner).job_data_json()
+    elif runner is not None:
+        if not isinstance(runner, Executor):
+            raise InvalidArgument(
+                "runner must be job_data (a mapping or JSON text), a ResolverRegistry or an Executor "
+                f"(an object with execute(dxo, ctx, abort_signal)), not {type(runner).__name__}"
+            )
+        if job_data:
+            raise InvalidArgument("give the executor as runner= or job_data in the job, not both")
+        executor = runner
+        app = ResolverRegistry({EXECUTOR_TYPE: lambda: executor})
+        job_data = json.dumps(
+            {"components": [{"type": EXECUTOR_TYPE, "name": "trainer"}], "executors": {"*": "@trainer"}}
+        )
+    if not job_data:
+        raise InvalidArgument(
+            "the job has no job_data: give the runner configuration or an Executor as runner="
+        )
+    if store != ":memory:" and Path(store).exists():
+        raise InvalidArgument(f"store file {store} exists already: give a new path (or ':memory:')")
+    params = job.params
+    if timeout is None:
+        per_round = params.round_timeout_s * (params.max_round_retries + 1) * (2 if params.evaluate else 1)
+        timeout = params.num_rounds * per_round + 60.0
+    if not (isinstance(timeout, int | float) and timeout > 0):
+        raise InvalidArgument(f"timeout must be a positive number of seconds, not {timeout!r}")
+    hetero = heterogeneity or Heterogeneity()
+    return Plan(
+        job=job,
+        num_devices=num_devices,
+        job_data=job_data,
+        registry=shared_registry(app) if share_components else app,
+        data=data,
+        device_info={"simulation": "true", **dict(device_info or {})},
+        heterogeneity=hetero,
+        seed=params.seed,
+        store=store,
+        timeout_s=float(timeout),
+        sinks=tuple(sinks),
+    )
+
+
+class _WorkflowErrors(logging.Handler):
+    """Keeps the exceptions the job supervisor logs, so the caller gets the original one."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.by_job: dict[str, BaseException] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        # The supervisor logs log.exception("workflow of job %s failed", job_id).
+        if (
+            record.exc_info
+            and record.exc_info[1] is not None
+            and isinstance(record.args, tuple)
+            and record.args
+        ):
+            self.by_job[str(record.args[0])] = record.exc_info[1]
+
+
+def _settings(plan: Plan, workdir: Path) -> CoordinatorSettings:
+    if plan.store == ":memory:":
+        url, blob_dir = "sqlite+aiosqlite:///:memory:", workdir / "blobs"
+    else:
+        path = Path(plan.store).resolve()
+        url, blob_dir = f"sqlite+aiosqlite:///{path}", Path(f"{path}.blobs")
+    big = 2 * 1024**3  # models travel inline: there is no message to keep small in-process
+    return CoordinatorSettings(
+        data_dir=workdir,
+        db_url=url,
+        blob_dir=blob_dir,
+        max_task_wait=_TASK_WAIT,
+        default_task_wait=_TASK_WAIT,
+        max_message_bytes=big,
+        inline_payload_bytes=big,
+        reaper_interval=timedelta(seconds=0.5),
+        auto_migrate=True,
+    )
+
+
+async def simulate(plan: Plan, pool: ExecutorPool) -> SimulationResult:
+    """Runs ``plan`` on the running event loop (which this function may configure: it owns it)."""
+    started = time.perf_counter()
+    router = TaskRouter(pool)
+    asyncio.get_running_loop().set_default_executor(router)  # see TaskRouter: where to_thread work goes
+    errors = _WorkflowErrors()
+    supervisor_log = logging.getLogger(_SUPERVISOR_LOGGER)
+    supervisor_log.addHandler(errors)
+    try:
+        with tempfile.TemporaryDirectory(prefix="fedlink-sim-") as tmp:
+            async with CoordinatorCore(_settings(plan, Path(tmp)), supervisor_poll_seconds=0.05) as core:
+                return await _run(plan, core, errors, started)
+    finally:
+        supervisor_log.removeHandler(errors)
+        router.shutdown(wait=False)
+        for sink in plan.sinks:
+            sink.close()
+
+
+async def _run(
+    plan: Plan, core: CoordinatorCore, errors: _WorkflowErrors, started: float
+) -> SimulationResult:
+    hub = DeviceHub(core, heterogeneity=plan.heterogeneity, seed=plan.seed)
+    width = max(6, len(str(plan.num_devices - 1)))
+    transports = [InProcessTransport(hub, i) for i in range(plan.num_devices)]
+    info = dict(plan.device_info)
+    for start in range(0, plan.num_devices, _ENROL_BATCH):
+        batch = transports[start : start + _ENROL_BATCH]
+        await asyncio.gather(*(t.enroll(f"sim-{t.index:0{width}d}", info) for t in batch))
+    index_of = {t.device_id: t.index for t in transports}
+    job = plan.job
+    model_ref = await core.store.blobs.put_bytes(job.model_dxo().to_bytes())
+    view = await core.control_protocol.submit_job(
+        JobSubmission(
+            name=job.name,
+            params=job.params,
+            job_data=plan.job_data,
+            initial_model_sha256=model_ref.sha256,
+            device_selector=dict(job.device_selector),
+        ),
+        request_id="",
+    )
+    job_id = view.job.job_id
+    setup_s = time.perf_counter() - started
+    runners = [
+        Runner(
+            job.name,
+            plan.data,
+            info,
+            {},
+            math.inf,
+            resolver_registry=plan.registry,
+            transport=t,
+            partition_id=t.index,
+            num_partitions=plan.num_devices,
+            backoff=Backoff(base=timedelta(milliseconds=50), cap=timedelta(seconds=2)),
+        )
+        for t in transports
+    ]
+    tasks = [asyncio.create_task(r.run_async(), name=f"device-{i}") for i, r in enumerate(runners)]
+    ticker = asyncio.create_task(_tick(plan.sinks, hub.counts))
+    try:
+        try:
+            async with asyncio.timeout(plan.timeout_s):
+                rounds = await _follow(core, job_id, plan.sinks)
+        except TimeoutError:
+            await core.control_protocol.abort_job(job_id, "simulation timed out")
+            raise SimulationError(
+                f"the simulation did not finish within its timeout of {plan.timeout_s:.0f}s"
+            ) from None
+        final = (await core.control_protocol.describe_job(job_id)).job
+        if final.state is not JobState.FINISHED:
+            raise SimulationError(
+                f"the job ended {final.state.value}: {final.message or 'no message'}",
+                job_state=final.state.value,
+                rounds_done=len(rounds),
+            ) from errors.by_job.get(job_id)
+        # Collected before the Runners are stopped: stopping cancels calls that may be in the store.
+        return await _collect(core, job_id, plan, rounds, index_of, hub.counts, setup_s, started)
+    finally:
+        ticker.cancel()
+        await _stop(runners, tasks)
+        if plan.sinks:
+            _emit_tick(plan.sinks, hub.counts)
+
+
+async def _follow(core: CoordinatorCore, job_id: str, sinks: Sequence[ProgressSink]) -> list[RoundRecord]:
+    """Follows the job's events until it is final; returns the closed rounds."""
+    starts: dict[int, tuple[JobEvent, int]] = {}
+    rounds: list[RoundRecord] = []
+    async for event in core.control_protocol.watch_job(job_id, after_sequence=0):
+        body = json.loads(event.payload_json)
+        if event.kind == "round_started":
+            starts[body["round"]] = (event, int(body.get("num_devices", 0)))
+            for sink in sinks:
+                sink.round_started(body["round"], int(body.get("num_devices", 0)))
+        elif event.kind == "round_closed":
+            begun, sampled = starts.get(body["round"], (event, 0))
+            record = RoundRecord(
+                round=int(body["round"]),
+                num_devices=sampled,
+                num_results=int(body.get("num_results", 0)),
+                metrics={str(k): float(v) for k, v in dict(body.get("metrics", {})).items()},
+                duration_s=(event.time - begun.time).total_seconds(),
+            )
+            rounds.append(record)
+            for sink in sinks:
+                sink.round_closed(record)
+        elif event.kind == JOB_STATE_CHANGED:
+            log.debug("job state", extra={"job_id": job_id, "state": body.get("state")})
+    return rounds
+
+
+def _emit_tick(sinks: Sequence[ProgressSink], counts: LiveCounts) -> None:
+    for sink in sinks:
+        sink.tick(counts)
+
+
+async def _tick(sinks: Sequence[ProgressSink], counts: LiveCounts) -> None:
+    if not sinks:
+        return
+    while True:
+        _emit_tick(sinks, counts)
+        await asyncio.sleep(_TICK_S)
+
+
+async def _stop(runners: Sequence[Runner], tasks: Sequence[asyncio.Task[None]]) -> None:
+    """Stops every Runner (a task in progress gets a short grace), then cancels what is left."""
+    for runner in runners:
+        runner.stop(grace=_STOP_GRACE_S, reason="simulation over")
+    done, pending = await asyncio.wait(tasks, timeout=_STOP_GRACE_S * 2) if tasks else (set(), set())
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    for task in done:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("a virtual device's runner crashed", exc_info=task.exception())
+
+
+async def _collect(
+    core: CoordinatorCore,
+    job_id: str,
+    plan: Plan,
+    rounds: list[RoundRecord],
+    index_of: Mapping[str, int],
+    counts: LiveCounts,
+    setup_s: float,
+    started: float,
+) -> SimulationResult:
+    store = core.store
+    run = await store.get_current_run(job_id)
+    if run.global_model_sha256 is None:  # pragma: no cover - a FINISHED run always has a model
+        raise SimulationError("the job finished without a model")
+    model = DXO.from_bytes(await store.blobs.read(run.global_model_sha256))
+    participation: dict[int, list[int]] = {i: [] for i in range(plan.num_devices)}
+    failures: list[Failure] = []
+    for round_no in range(1, run.round + 1):
+        names = {t.task_id: t.name for t in await store.list_tasks(run.run_id, round=round_no)}
+        for result in await store.list_results(run_id=run.run_id, round=round_no, accepted_only=False):
+            device = index_of.get(result.device_id, -1)
+            name = names.get(result.task_id, "")
+            if result.status is ResultStatus.FAILED:
+                failures.append(
+                    Failure(device=device, round=round_no, task_name=name, cause=result.error_message)
+                )
+            elif result.accepted and name == "train":
+                participation[device].append(round_no)
+    failures.sort(key=lambda f: (f.round, f.device, f.task_name))
+    return SimulationResult(
+        model=model,
+        rounds=tuple(rounds),
+        participation={i: tuple(r) for i, r in participation.items()},
+        failures=tuple(failures),
+        dropouts=tuple(counts.drops),
+        num_devices=plan.num_devices,
+        job_id=job_id,
+        store_url="" if plan.store == ":memory:" else core.settings.db_url,
+        setup_s=setup_s,
+        wall_time_s=time.perf_counter() - started,
+    )

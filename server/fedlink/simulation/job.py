@@ -1,0 +1,93 @@
+"""The job a simulation runs: what ``fedlink job submit`` sends, as a Python value or a job file."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy.typing as npt
+
+from fedlink.common.dxo import DXO, DataKind
+from fedlink.common.errors import InvalidArgument
+from fedlink.server.workflows.fedavg import FedAvgParams
+
+__all__ = ["SimulationJob"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimulationJob:
+    """A FedAvg job: the same definition the coordinator accepts (see ``fedlink job submit``)."""
+
+    name: str
+    params: FedAvgParams
+    #: The initial global model: named arrays, or a WEIGHTS DXO.
+    model: Mapping[str, npt.NDArray[Any]] | DXO = field(repr=False)
+    #: The runner configuration (NVFlare edge format) as a mapping or JSON text; empty means none
+    #: (then the simulation's ``runner=`` argument must provide the executor).
+    job_data: Mapping[str, Any] | str = field(default="", repr=False)
+    #: ``device_info`` pairs a device must have to take part (virtual devices have
+    #: ``{"simulation": "true"}`` plus whatever ``device_info=`` the simulation is given).
+    device_selector: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_file(cls, path: Path | str) -> SimulationJob:
+        """Reads a job file (the format of ``fedlink job submit``, TOML or JSON).
+
+        Raises:
+            InvalidArgument: the file or its model is missing or malformed (the message names the key).
+        """
+        from fedlink.server.api.control_servicer import fedavg_params
+        from fedlink.server.cli.jobfile import load_job_file
+
+        loaded = load_job_file(Path(path))
+        params = fedavg_params(loaded.fedavg, default_keep=FedAvgParams(num_rounds=1).keep_checkpoints)
+        return cls(
+            name=loaded.name,
+            params=params,
+            model=DXO.from_bytes(loaded.model_bytes),
+            job_data=loaded.job_data,
+            device_selector=dict(loaded.device_selector),
+        )
+
+    def with_seed(self, seed: int | None) -> SimulationJob:
+        """This job with FedAvg's sampling seed replaced (unchanged for None)."""
+        return self if seed is None else replace(self, params=replace(self.params, seed=seed))
+
+    def model_dxo(self) -> DXO:
+        """The initial model as a WEIGHTS DXO.
+
+        Raises:
+            InvalidArgument: the model is empty, not WEIGHTS, or holds something that is not an array.
+        """
+        dxo = self.model if isinstance(self.model, DXO) else DXO(kind=DataKind.WEIGHTS, data=dict(self.model))
+        if dxo.kind is not DataKind.WEIGHTS:
+            raise InvalidArgument(f"the initial model must be a WEIGHTS DXO, not {dxo.kind}")
+        if not dxo.data:
+            raise InvalidArgument("the initial model has no variables")
+        dxo.validate()
+        return dxo
+
+    def job_data_json(self) -> str:
+        """``job_data`` as the JSON text the coordinator stores ("" for none).
+
+        Raises:
+            InvalidArgument: it is not a JSON object.
+        """
+        if isinstance(self.job_data, str):
+            if not self.job_data:
+                return ""
+            try:
+                document = json.loads(self.job_data)
+            except ValueError as exc:
+                raise InvalidArgument(f"job_data is not valid JSON: {exc}") from None
+        else:
+            document = self.job_data
+        if not isinstance(document, Mapping):
+            raise InvalidArgument("job_data must be a JSON object (the runner config)")
+        try:
+            return json.dumps(document, sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"job_data cannot be written as JSON: {exc}") from None

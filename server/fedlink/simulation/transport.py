@@ -1,0 +1,271 @@
+"""The in-process transport: a virtual device's Runner calls the coordinator's device protocol directly.
+
+Nothing is serialized on the way down except what the real path serializes: a task's model is the
+stored DXO bytes, decoded **once per model** (not once per device) and shared by every device of the
+round. Sharing is safe because the arrays are read-only (an executor that writes to one gets
+numpy's ``ValueError``, which fails its task loudly instead of corrupting its neighbours') and each
+device gets its own ``DXO`` container (``data`` and ``meta`` dicts), so setting meta or replacing an
+array touches only that device's copy. Results go up as the serialized DXO, exactly as over gRPC: the
+protocol validates them and stores them as blobs.
+
+Per-device state is a few fields, so ten thousand devices fit easily: the shared parts (the core, the
+model cache, the counters) live in one :class:`DeviceHub`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from fedlink.common.dxo import DXO
+from fedlink.common.errors import FailedPrecondition
+from fedlink.common.version import PROTOCOL_VERSION
+from fedlink.runner.transport.base import Ack, JobOffer, LeaseAck, ResultReport, Status, TaskOffer, Transport
+from fedlink.server.core import CoordinatorCore
+from fedlink.server.credentials import hash_credential
+from fedlink.server.domain import Device, ResultStatus
+from fedlink.server.protocol.device import DeviceStatus, ResultInput, TaskReply
+from fedlink.simulation.heterogeneity import DeviceRound, Heterogeneity
+
+__all__ = ["DeviceHub", "InProcessTransport", "LiveCounts"]
+
+#: Decoded models kept (the current round's and a few before it, for late devices).
+_MODEL_CACHE = 4
+
+
+@dataclass(slots=True)
+class LiveCounts:
+    """What the virtual devices are doing right now (for the progress line)."""
+
+    #: Devices holding a task (working on it, or waiting out their slowdown or link delay).
+    busy: int = 0
+    #: Results reported (succeeded) and failures reported, since the start.
+    succeeded: int = 0
+    failed: int = 0
+    #: Tasks given back because the device dropped out of the round.
+    dropped: int = 0
+    #: ``(device index, round)`` of every drop-out, in the order they happened.
+    drops: list[tuple[int, int]] = field(default_factory=list)
+
+
+class DeviceHub:
+    """What all virtual devices of one simulation share: the core, the decoded models, the counters."""
+
+    def __init__(self, core: CoordinatorCore, *, heterogeneity: Heterogeneity, seed: int) -> None:
+        self.core = core
+        self.heterogeneity = heterogeneity
+        self.seed = seed
+        self.counts = LiveCounts()
+        self._models: OrderedDict[str, asyncio.Future[DXO]] = OrderedDict()
+
+    async def model(self, sha256: str, inline: bytes | None) -> DXO:
+        """The decoded task model ``sha256``: decoded (or read from the blob store) once, then shared."""
+        future = self._models.get(sha256)
+        if future is None:
+            future = asyncio.get_running_loop().create_future()
+            self._models[sha256] = future
+            while len(self._models) > _MODEL_CACHE:
+                self._models.popitem(last=False)
+            try:
+                data = inline if inline is not None else await self.core.store.blobs.read(sha256)
+                dxo = DXO.from_bytes(data)
+                for array in dxo.data.values():
+                    array.flags.writeable = False  # shared by every device: see the module docstring
+                future.set_result(dxo)
+            except BaseException as exc:
+                self._models.pop(sha256, None)
+                future.set_exception(exc)
+                raise
+        else:
+            self._models.move_to_end(sha256)
+        shared = await asyncio.shield(future)
+        return DXO(kind=shared.kind, data=dict(shared.data), meta=dict(shared.meta))
+
+    def behaviour(self, device: int, round: int) -> DeviceRound:
+        """How ``device`` behaves in ``round`` (see :class:`Heterogeneity`)."""
+        return self.heterogeneity.draw(self.seed, device, round)
+
+
+_STATUS = {
+    DeviceStatus.OK: Status.OK,
+    DeviceStatus.RETRY: Status.RETRY,
+    DeviceStatus.NO_JOB: Status.NO_JOB,
+    DeviceStatus.NO_TASK: Status.NO_TASK,
+    DeviceStatus.DONE: Status.DONE,
+    DeviceStatus.STALE: Status.STALE,
+}
+
+
+class InProcessTransport(Transport):
+    """One virtual device's :class:`Transport`, calling ``hub.core.device_protocol`` in-process.
+
+    The device is enrolled by :meth:`enroll` (the simulation does it for all devices before the job
+    is submitted, so the workflow samples among all of them); :meth:`open` then only checks that.
+    """
+
+    def __init__(self, hub: DeviceHub, index: int) -> None:
+        self._hub = hub
+        self._index = index
+        self._device: Device | None = None
+        self._round = 0
+        self._started = 0.0
+        self._busy = False
+
+    @property
+    def index(self) -> int:
+        """The virtual device's index (its partition id)."""
+        return self._index
+
+    @property
+    def device_id(self) -> str:
+        """The device's id (after :meth:`enroll`)."""
+        return self._need_device().device_id
+
+    def _need_device(self) -> Device:
+        if self._device is None:
+            raise FailedPrecondition(f"virtual device {self._index} is not enrolled")
+        return self._device
+
+    async def enroll(self, device_id: str, device_info: dict[str, str]) -> None:
+        """Enrols the device under ``device_id`` with a fresh credential, and authenticates it."""
+        # The id is the simulation's (sim-000042), not the protocol's random one, so that device order,
+        # sampling and aggregation order are the same in every run with the same seed.
+        credential = uuid.uuid4().hex + uuid.uuid4().hex
+        store = self._hub.core.store
+        await store.enroll_device(device_info, {}, hash_credential(credential), device_id=device_id)
+        self._device = await self._hub.core.device_protocol.authenticate(credential)
+
+    async def open(self) -> None:
+        """Checks the device is enrolled (there is no connection to open)."""
+        self._need_device()
+
+    async def close(self) -> None:
+        """Gives back the busy count of a task that never got reported (the runner was stopped)."""
+        self._set_busy(False)
+
+    def _set_busy(self, busy: bool) -> None:
+        if busy != self._busy:
+            self._busy = busy
+            self._hub.counts.busy += 1 if busy else -1
+
+    def _seen(self) -> Device:
+        device = self._need_device()
+        self._hub.core.device_protocol.note_seen(device.device_id)  # keeps it ONLINE, as a real call does
+        return device
+
+    async def _link(self) -> None:
+        if self._round:
+            delay = self._hub.behaviour(self._index, self._round).link_delay_s
+            if delay > 0:
+                await asyncio.sleep(delay)
+
+    async def get_job(
+        self, *, job_name: str, device_info: dict[str, str], user_info: dict[str, str]
+    ) -> JobOffer:
+        """GetJob, in-process."""
+        reply = await self._hub.core.device_protocol.get_job(
+            self._seen(), job_name=job_name, device_info=device_info, protocol_version=PROTOCOL_VERSION
+        )
+        job = reply.job
+        return JobOffer(
+            status=_STATUS[reply.status],
+            job_id=job.job_id if job else "",
+            job_name=job.name if job else "",
+            job_data=job.job_data if job else "",
+            retry_after=reply.retry_after,
+            message=reply.message,
+        )
+
+    async def get_task(self, *, job_id: str, cookie: bytes) -> TaskOffer:
+        """GetTask (a long poll), in-process; a device that drops out of the round gives the task back."""
+        protocol = self._hub.core.device_protocol
+        while True:
+            reply = await protocol.get_task(self._seen(), job_id=job_id, cookie=cookie, wait=None)
+            if reply.status is not DeviceStatus.OK or reply.task is None:
+                return _offer(reply, None)
+            self._round = reply.task.round
+            if self._hub.behaviour(self._index, self._round).dropped:
+                await protocol.release(
+                    self._seen(), job_id=job_id, task_id=reply.task.task_id, cookie=reply.cookie
+                )
+                self._hub.counts.dropped += 1
+                self._hub.counts.drops.append((self._index, self._round))
+                cookie = b""
+                continue
+            payload = reply.payload
+            data = None if payload is None else await self._hub.model(payload.sha256, payload.inline)
+            await self._link()
+            self._set_busy(True)
+            self._started = time.monotonic()
+            return _offer(reply, data)
+
+    async def report_result(self, report: ResultReport) -> Ack:
+        """ReportResult, in-process: the result DXO goes as its serialized bytes, as over gRPC."""
+        slowdown = self._hub.behaviour(self._index, self._round).slowdown if self._round else 1.0
+        if slowdown > 1.0:
+            await asyncio.sleep((slowdown - 1.0) * (time.monotonic() - self._started))
+        await self._link()
+        result = report.result
+        request = ResultInput(
+            job_id=report.job_id,
+            task_id=report.task_id,
+            cookie=report.cookie,
+            status=ResultStatus.SUCCEEDED if result is not None else ResultStatus.FAILED,
+            inline=result.to_bytes() if result is not None else None,
+            error_message=report.error_message,
+            request_id=report.request_id or uuid.uuid4().hex,
+        )
+        try:
+            reply = await self._hub.core.device_protocol.report_result(self._seen(), request)
+        finally:
+            self._set_busy(False)
+        if result is not None:
+            self._hub.counts.succeeded += 1
+        else:
+            self._hub.counts.failed += 1
+        return Ack(status=_STATUS[reply.status], cookie=reply.cookie, message=reply.message)
+
+    async def renew_lease(self, *, job_id: str, task_id: str, cookie: bytes) -> LeaseAck:
+        """RenewLease, in-process."""
+        reply = await self._hub.core.device_protocol.renew_lease(
+            self._seen(), job_id=job_id, task_id=task_id, cookie=cookie
+        )
+        return LeaseAck(status=_STATUS[reply.status], lease_expires_at=reply.lease_expires_at)
+
+    async def release(self, *, job_id: str, task_id: str, cookie: bytes, reason: str) -> LeaseAck:
+        """ReleaseAssignment, in-process."""
+        try:
+            reply = await self._hub.core.device_protocol.release(
+                self._seen(), job_id=job_id, task_id=task_id, cookie=cookie
+            )
+        finally:
+            self._set_busy(False)
+        return LeaseAck(status=_STATUS[reply.status], lease_expires_at=reply.lease_expires_at)
+
+    async def download_blob(self, sha256: str, size_bytes: int) -> bytes:
+        """Reads a blob from the store."""
+        return await self._hub.core.store.blobs.read(sha256)
+
+    async def upload_blob(self, data: bytes) -> str:
+        """Stores bytes as a blob."""
+        return (await self._hub.core.store.blobs.put_bytes(data)).sha256
+
+
+def _offer(reply: TaskReply, data: DXO | None) -> TaskOffer:
+    task, assignment = reply.task, reply.assignment
+    retry: timedelta | None = reply.retry_after
+    return TaskOffer(
+        status=_STATUS[reply.status],
+        task_id=task.task_id if task else "",
+        task_name=task.name if task else "",
+        task_data=data,
+        cookie=reply.cookie,
+        deadline=task.deadline if task else None,
+        lease_expires_at=assignment.lease_expires_at if assignment else None,
+        retry_after=retry,
+        assignment_id=assignment.assignment_id if assignment else "",
+    )
