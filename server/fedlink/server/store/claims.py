@@ -152,12 +152,19 @@ class ClaimQueries(StoreCore):
         if not requests:
             return []
 
+        statements = self._claim_statements()
+
         async def work(conn: AsyncConnection) -> list[Assignment | None]:
-            return [
-                await _claim_one(self._db.insert_ignore(assignments), conn, r, now, lease) for r in requests
-            ]
+            return [await _claim_one(statements, conn, r, now, lease) for r in requests]
 
         return await self._db.write(work)
+
+    def _claim_statements(self) -> _ClaimStatements:
+        statements: _ClaimStatements | None = getattr(self, "_claims_prepared", None)
+        if statements is None:
+            statements = _ClaimStatements(self._db.insert_ignore(assignments))
+            self._claims_prepared = statements
+        return statements
 
     async def claim_task(
         self, device_id: str, job_id: str, now: datetime, lease: timedelta
@@ -233,9 +240,9 @@ class ClaimQueries(StoreCore):
         return await self._db.write(work)
 
 
-def _has_assignment(device_id: str) -> sa.ColumnElement[bool]:
+def _has_assignment() -> sa.ColumnElement[bool]:
     """The device already has an assignment (in any state) of the task: one per (task, device)."""
-    return sa.exists().where(assignments.c.task_id == tasks.c.task_id, assignments.c.device_id == device_id)
+    return sa.exists().where(assignments.c.task_id == tasks.c.task_id, assignments.c.device_id == _DEVICE)
 
 
 def _active_count() -> sa.ScalarSelect[int]:
@@ -271,106 +278,112 @@ def _lowest_free_slot() -> sa.ColumnElement[int]:
     return sa.case((~zero_held, 0), else_=next_free)
 
 
+_DEVICE = sa.bindparam("device_id", type_=assignments.c.device_id.type)
+_JOB = sa.bindparam("job_id", type_=assignments.c.job_id.type)
+_NOW = sa.bindparam("now", type_=tasks.c.deadline.type)
+_COLUMNS = [
+    "assignment_id",
+    "task_id",
+    "job_id",
+    "device_id",
+    "slot",
+    "state",
+    "lease_expires_at",
+    "created_at",
+]
+
+
+class _ClaimStatements:
+    """The claim path's statements, built once with bind parameters.
+
+    Building SQLAlchemy constructs (aliases, subqueries) per claim cost more Python time than the
+    database spent running them; built once, they compile once and hit the compiled cache.
+    """
+
+    def __init__(self, insert: sa.Insert) -> None:
+        self.held = (
+            sa.select(assignments)
+            .join(tasks, tasks.c.task_id == assignments.c.task_id)
+            .where(
+                assignments.c.device_id == _DEVICE,
+                assignments.c.job_id == _JOB,
+                _LEASED_SQL,
+                assignments.c.lease_expires_at > _NOW,
+                _OPEN_SQL,
+                tasks.c.deadline > _NOW,
+            )
+            .order_by(assignments.c.created_at)
+            .limit(1)
+        )
+        # Two lookups, each served by its own index: the tasks offered to this device (FedAvg's),
+        # then the job's untargeted tasks. One OR-ed query would walk every open task of the job.
+        targeted = (
+            sa.select(tasks.c.task_id)
+            .select_from(task_targets.join(tasks, tasks.c.task_id == task_targets.c.task_id))
+            .where(
+                task_targets.c.device_id == _DEVICE,
+                tasks.c.job_id == _JOB,
+                _OPEN_SQL,
+                tasks.c.deadline > _NOW,
+                ~_has_assignment(),
+                _active_count() < tasks.c.slots,
+            )
+            .order_by(tasks.c.created_at, tasks.c.task_id)
+            .limit(1)
+        )
+        untargeted = (
+            sa.select(tasks.c.task_id)
+            .where(
+                tasks.c.job_id == _JOB,
+                # Spelled like ix_tasks_open_untargeted_job_created's predicate, so the planner uses it.
+                _OPEN_SQL,
+                tasks.c.targeted == sa.false(),
+                tasks.c.deadline > _NOW,
+                ~_has_assignment(),
+                _active_count() < tasks.c.slots,
+            )
+            .order_by(tasks.c.created_at, tasks.c.task_id)
+            .limit(1)
+        )
+        self.lookups = [(candidates, self._pick(insert, candidates)) for candidates in (targeted, untargeted)]
+
+    @staticmethod
+    def _pick(insert: sa.Insert, candidates: sa.Select[Any]) -> Any:
+        pick = candidates.with_only_columns(
+            sa.bindparam("assignment_id", type_=assignments.c.assignment_id.type),
+            tasks.c.task_id,
+            _JOB,
+            _DEVICE,
+            _lowest_free_slot(),
+            sa.literal(_LEASED, assignments.c.state.type),
+            sa.bindparam("lease_expires_at", type_=assignments.c.lease_expires_at.type),
+            _NOW,
+        )
+        return insert.from_select(_COLUMNS, pick).returning(assignments)
+
+
 async def _claim_one(
-    insert: sa.Insert, conn: AsyncConnection, request: ClaimRequest, now: datetime, lease: timedelta
-) -> Assignment | None:
-    """Claim for one request in (usually) two statements: the re-delivery check, then INSERT ... SELECT."""
-    held_query = (
-        sa.select(assignments)
-        .join(tasks, tasks.c.task_id == assignments.c.task_id)
-        .where(
-            assignments.c.device_id == request.device_id,
-            assignments.c.job_id == request.job_id,
-            _LEASED_SQL,
-            assignments.c.lease_expires_at > now,
-            _OPEN_SQL,
-            tasks.c.deadline > now,
-        )
-        .order_by(assignments.c.created_at)
-        .limit(1)
-    )
-    # Two lookups, each served by its own index: the tasks offered to this device (FedAvg's), then
-    # the job's untargeted tasks. One OR-ed query would walk every open task of the job per claim.
-    if (row := (await conn.execute(held_query)).first()) is not None:
-        return rows.assignment(row)  # re-delivery: the device asks again for what it holds
-    for candidates in (_targeted_candidates(request, now), _untargeted_candidates(request, now)):
-        claimed = await _claim_from(insert, conn, held_query, candidates, request, now, lease)
-        if claimed is not None:
-            return claimed
-    return None
-
-
-def _targeted_candidates(request: ClaimRequest, now: datetime) -> sa.Select[Any]:
-    return (
-        sa.select(tasks.c.task_id)
-        .select_from(task_targets.join(tasks, tasks.c.task_id == task_targets.c.task_id))
-        .where(
-            task_targets.c.device_id == request.device_id,
-            tasks.c.job_id == request.job_id,
-            _OPEN_SQL,
-            tasks.c.deadline > now,
-            ~_has_assignment(request.device_id),
-            _active_count() < tasks.c.slots,
-        )
-        .order_by(tasks.c.created_at, tasks.c.task_id)
-        .limit(1)
-    )
-
-
-def _untargeted_candidates(request: ClaimRequest, now: datetime) -> sa.Select[Any]:
-    return (
-        sa.select(tasks.c.task_id)
-        .where(
-            tasks.c.job_id == request.job_id,
-            # Spelled like ix_tasks_open_untargeted_job_created's predicate, so the planner uses it.
-            sa.text("tasks.state = 'OPEN'"),
-            tasks.c.targeted == sa.false(),
-            tasks.c.deadline > now,
-            ~_has_assignment(request.device_id),
-            _active_count() < tasks.c.slots,
-        )
-        .order_by(tasks.c.created_at, tasks.c.task_id)
-        .limit(1)
-    )
-
-
-async def _claim_from(
-    insert: sa.Insert,
+    statements: _ClaimStatements,
     conn: AsyncConnection,
-    held_query: sa.Select[Any],
-    candidates: sa.Select[Any],
     request: ClaimRequest,
     now: datetime,
     lease: timedelta,
 ) -> Assignment | None:
-    for _ in range(_MAX_LOOKS):
-        pick = candidates.with_only_columns(
-            sa.literal(new_id(), assignments.c.assignment_id.type),
-            tasks.c.task_id,
-            sa.literal(request.job_id, assignments.c.job_id.type),
-            sa.literal(request.device_id, assignments.c.device_id.type),
-            _lowest_free_slot(),
-            sa.literal(_LEASED, assignments.c.state.type),
-            sa.literal(now + lease, assignments.c.lease_expires_at.type),
-            sa.literal(now, assignments.c.created_at.type),
-        )
-        columns = [
-            "assignment_id",
-            "task_id",
-            "job_id",
-            "device_id",
-            "slot",
-            "state",
-            "lease_expires_at",
-            "created_at",
-        ]
-        inserted = (await conn.execute(insert.from_select(columns, pick).returning(assignments))).first()
-        if inserted is not None:
-            return rows.assignment(inserted)
-        # Nothing inserted: either nothing is left, or a concurrent claim took the slot first.
-        if (await conn.execute(candidates)).first() is None:
-            return None
-        # A concurrent request of the same device may have won meanwhile: it gets that one again.
-        if (row := (await conn.execute(held_query)).first()) is not None:
-            return rows.assignment(row)
+    """Claim for one request: the re-delivery check, then INSERT ... SELECT per lookup."""
+    params: dict[str, Any] = {"device_id": request.device_id, "job_id": request.job_id, "now": now}
+    if (row := (await conn.execute(statements.held, params)).first()) is not None:
+        return rows.assignment(row)  # re-delivery: the device asks again for what it holds
+    insert_params = {**params, "lease_expires_at": now + lease}
+    for candidates, pick in statements.lookups:
+        for _ in range(_MAX_LOOKS):
+            insert_params["assignment_id"] = new_id()
+            inserted = (await conn.execute(pick, insert_params)).first()
+            if inserted is not None:
+                return rows.assignment(inserted)
+            # Nothing inserted: either nothing is left, or a concurrent claim took the slot first.
+            if (await conn.execute(candidates, params)).first() is None:
+                break
+            # A concurrent request of the same device may have won meanwhile: it gets that one again.
+            if (row := (await conn.execute(statements.held, params)).first()) is not None:
+                return rows.assignment(row)
     return None
