@@ -6,7 +6,7 @@ import click
 
 
 def server_commands() -> list[click.Command]:
-    """Returns the server-side commands that exist so far (``serve``, ``job``, ``device``, ``db``).
+    """Returns the server-side commands: ``serve``, ``job``, ``device``, ``db`` and ``simulate``.
 
     Commands that are not written yet are left out, rather than listed as stubs that pretend to work.
     """
@@ -14,5 +14,6 @@ def server_commands() -> list[click.Command]:
     from fedlink.server.cli.devices import device_group
     from fedlink.server.cli.jobs import job_group
     from fedlink.server.cli.serve import serve_command
+    from fedlink.server.cli.simulate import simulate_command
 
-    return [serve_command, job_group, device_group, db_group]
+    return [serve_command, job_group, device_group, db_group, simulate_command]

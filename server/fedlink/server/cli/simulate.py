@@ -1,0 +1,132 @@
+"""``fedlink simulate``: run a job file on N virtual devices on this machine and summarize the result."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+from fedlink.common.errors import FedlinkError
+from fedlink.server.cli.client import fail
+
+
+def _backend_config(text: str | None) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        fail(f"--backend-config must be a JSON object, e.g. '{{\"num_cpus\": 2}}': {exc}")
+    if not isinstance(value, dict):
+        fail("--backend-config must be a JSON object, e.g. '{\"num_cpus\": 2}'")
+    return value
+
+
+def _check_plotting() -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        fail("--plot needs matplotlib, which is not installed: pip install matplotlib")
+
+
+def plot_metrics(metrics: dict[str, list[float]], path: Path) -> None:
+    """Draws each metric over the rounds (losses and accuracies on separate axes) into ``path``."""
+    import matplotlib  # type: ignore[import-not-found, unused-ignore]  # optional, checked by --plot
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
+
+    losses = {k: v for k, v in metrics.items() if "loss" in k}
+    others = {k: v for k, v in metrics.items() if k not in losses}
+    panels = [p for p in (losses, others) if p]
+    figure, axes = plt.subplots(1, max(1, len(panels)), figsize=(6 * max(1, len(panels)), 4), squeeze=False)
+    for axis, panel in zip(axes[0], panels, strict=False):
+        for name, values in sorted(panel.items()):
+            axis.plot(range(1, len(values) + 1), values, marker="o", label=name)
+        axis.set_xlabel("round")
+        axis.legend()
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+@click.command("simulate")
+@click.argument("job_file", type=click.Path(path_type=Path, dir_okay=False))
+@click.option("--devices", "-n", type=click.IntRange(min=1), required=True, help="Virtual devices to run.")
+@click.option("--backend", default="local", show_default=True, help="Where tasks run: local.")
+@click.option(
+    "--backend-config",
+    metavar="JSON",
+    help='Backend settings, e.g. \'{"num_cpus": 2, "client_resources": {"num_cpus": 1}}\'.',
+)
+@click.option("--seed", type=int, help="Replaces the job's FedAvg seed (sampling, heterogeneity draws).")
+@click.option(
+    "--jsonl", type=click.Path(path_type=Path, dir_okay=False), help="Write per-round metrics here."
+)
+@click.option(
+    "--plot", type=click.Path(path_type=Path, dir_okay=False), help="Draw metrics over rounds (PNG)."
+)
+@click.option(
+    "--store", type=click.Path(path_type=Path, dir_okay=False), help="Keep the state store in this new file."
+)
+@click.option(
+    "--save-model", type=click.Path(path_type=Path, dir_okay=False), help="Save the final model (.npz)."
+)
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help="Abort after this many seconds.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Show a live progress line.")
+def simulate_command(
+    job_file: Path,
+    devices: int,
+    backend: str,
+    backend_config: str | None,
+    seed: int | None,
+    jsonl: Path | None,
+    plot: Path | None,
+    store: Path | None,
+    save_model: Path | None,
+    timeout: float | None,
+    progress: bool,
+) -> None:
+    """Run JOB_FILE (the format of ``fedlink job submit``) on N virtual devices, with the real
+    coordinator and runner code in this process, and print a summary.
+
+    Virtual device i sees partition i of N (see PartitionedDataSource in the job's job_data).
+    """
+    from fedlink.simulation import SimulationError, run_simulation
+
+    if plot is not None:
+        _check_plotting()
+    try:
+        result = run_simulation(
+            job_file,
+            devices,
+            backend=backend,
+            backend_config=_backend_config(backend_config),
+            seed=seed,
+            store=store if store is not None else ":memory:",
+            progress=progress,
+            metrics_jsonl=jsonl,
+            timeout=timeout,
+        )
+    except SimulationError as exc:
+        cause = f" (caused by {type(exc.__cause__).__name__}: {exc.__cause__})" if exc.__cause__ else ""
+        fail(f"simulation failed: {exc}{cause}")
+    except FedlinkError as exc:
+        fail(str(exc))
+    click.echo(result.summary())
+    if save_model is not None:
+        with save_model.open("wb") as file:
+            np.savez(file, allow_pickle=False, **result.arrays)
+        click.echo(f"final model saved to {save_model}")
+    if jsonl is not None:
+        click.echo(f"per-round metrics written to {jsonl}")
+    if plot is not None:
+        metrics = {k: v for k, v in result.metrics.items() if not all(math.isnan(x) for x in v)}
+        plot_metrics(metrics, plot)
+        click.echo(f"metrics plotted to {plot}")
+    if result.store_url:
+        click.echo(f"state store kept at {result.store_url}")
