@@ -85,12 +85,13 @@ class FailOnPartitions(AddPartition):
         return super().execute(dxo, ctx, abort_signal)
 
 
-class WritesIntoModel:
-    """A buggy executor that changes the task's model in place."""
+class WritesIntoModel(AddPartition):
+    """On partition 0, a buggy executor that changes the task's model in place; elsewhere AddPartition."""
 
     def execute(self, dxo: DXO, ctx: Context, abort_signal: Signal) -> DXO:
-        dxo.data["w"] += 1.0
-        return DXO(kind=DataKind.WEIGHT_DIFF, data=dict(dxo.data), meta={MetaKey.NUM_EXAMPLES: 1})
+        if ctx[ContextKey.PARTITION_ID] == 0:
+            dxo.data["w"] += 1.0
+        return super().execute(dxo, ctx, abort_signal)
 
 
 class Stalls:

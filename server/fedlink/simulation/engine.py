@@ -49,8 +49,8 @@ _ENROL_BATCH = 512
 #: Idle devices hold one long poll this long; every real wake-up comes from a notification, so a long
 #: wait costs nothing and keeps 10,000 idle devices from re-polling the store.
 _TASK_WAIT = timedelta(seconds=30)
-#: How long stopped Runners get to finish before their tasks are cancelled.
-_STOP_GRACE_S = 5.0
+#: How long stopped Runners get to wind down (release their task) before they are cancelled.
+_STOP_WAIT_S = 10.0
 _TICK_S = 0.25
 _SUPERVISOR_LOGGER = "fedlink.server.services.supervisor"
 
@@ -312,10 +312,10 @@ async def _tick(sinks: Sequence[ProgressSink], counts: LiveCounts) -> None:
 
 
 async def _stop(runners: Sequence[Runner], tasks: Sequence[asyncio.Task[None]]) -> None:
-    """Stops every Runner (a task in progress gets a short grace), then cancels what is left."""
+    """Stops every Runner (a task in progress is aborted and released), then cancels what is left."""
     for runner in runners:
-        runner.stop(grace=_STOP_GRACE_S, reason="simulation over")
-    done, pending = await asyncio.wait(tasks, timeout=_STOP_GRACE_S * 2) if tasks else (set(), set())
+        runner.stop(grace=0.0, reason="simulation over")  # the job is over: a late result would be stale
+    done, pending = await asyncio.wait(tasks, timeout=_STOP_WAIT_S) if tasks else (set(), set())
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
