@@ -153,6 +153,14 @@ class LeaseReply:
     lease_expires_at: datetime | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class _StagedReport:
+    """A validated report and, when it came inline, the payload bytes to store with its batch."""
+
+    report: ResultReport
+    inline: bytes | None
+
+
 class ResultListener:
     """Hook for workflows: told about every recorded report, in-process."""
 
@@ -211,7 +219,7 @@ class DeviceProtocol:
         self._config = config
         self._listener = listener or ResultListener()
         self._claims: Batcher[ClaimRequest, Assignment | None] = Batcher(self._claim_batch)
-        self._reports: Batcher[ResultReport, RecordOutcome] = Batcher(self._report_batch)
+        self._reports: Batcher[_StagedReport, RecordOutcome] = Batcher(self._report_batch)
         self._seen: set[str] = set()
         self._payloads: dict[str, TaskPayload] = {}
         self._accepting = True
@@ -396,20 +404,23 @@ class DeviceProtocol:
         """Validates and durably records a device's result; OK only once it is stored."""
         assignment = await self._held_assignment(device, report.job_id, report.task_id, report.cookie)
         task = await self._store.get_task(assignment.task_id)
-        payload_sha = await self._stage_payload(task, report)
+        payload_sha, inline = await self._stage_payload(task, report)
         # Identifies the report's content, so a retry without its request_id is still "the same".
         digest = hashlib.sha256(
             json.dumps([report.status.value, payload_sha, report.error_message]).encode()
         ).hexdigest()
         outcome = await self._reports.submit(
-            ResultReport(
-                assignment_id=assignment.assignment_id,
-                device_id=device.device_id,
-                status=report.status,
-                payload_sha256=payload_sha,
-                report_digest=digest,
-                request_id=report.request_id or digest,
-                error_message=report.error_message[:4000],
+            _StagedReport(
+                ResultReport(
+                    assignment_id=assignment.assignment_id,
+                    device_id=device.device_id,
+                    status=report.status,
+                    payload_sha256=payload_sha,
+                    report_digest=digest,
+                    request_id=report.request_id or digest,
+                    error_message=report.error_message[:4000],
+                ),
+                inline,
             )
         )
         next_cookie = self._signer.sign(Cookie(device_id=device.device_id, job_id=report.job_id))
@@ -423,10 +434,10 @@ class DeviceProtocol:
                 self._notifier.notify(report.job_id)  # the freed slot may go to another device
         return ReportReply(status=DeviceStatus.OK, cookie=next_cookie)
 
-    async def _stage_payload(self, task: Task, report: ResultInput) -> str | None:
+    async def _stage_payload(self, task: Task, report: ResultInput) -> tuple[str | None, bytes | None]:
         """Checks the result's payload and stores it as a blob; returns its sha256."""
         if report.status is ResultStatus.FAILED:
-            return None
+            return None, None
         if report.status is not ResultStatus.SUCCEEDED:
             raise InvalidArgument("status must be SUCCEEDED or FAILED")
         if report.inline is not None:
@@ -451,11 +462,15 @@ class DeviceProtocol:
         dxo = DXO.from_bytes(data)
         await self._validator.validate(task, dxo)
         if report.inline is not None:
-            return (await self._store.blobs.put_bytes(data)).sha256
-        return report.blob_sha256
+            # Stored with the report's batch (one transaction for a batch's payloads).
+            return hashlib.sha256(data).hexdigest(), data
+        return report.blob_sha256, None
 
-    async def _report_batch(self, reports: Sequence[ResultReport]) -> list[RecordOutcome | BaseException]:
-        return list(await self._store.record_results(reports, self._clock.now()))
+    async def _report_batch(self, staged: Sequence[_StagedReport]) -> list[RecordOutcome | BaseException]:
+        payloads = [item.inline for item in staged if item.inline is not None]
+        if payloads:
+            await self._store.blobs.put_many(payloads)
+        return list(await self._store.record_results([item.report for item in staged], self._clock.now()))
 
     # ---- leases ----
     async def renew_lease(self, device: Device, *, job_id: str, task_id: str, cookie: bytes) -> LeaseReply:

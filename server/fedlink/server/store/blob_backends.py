@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Collection, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -41,6 +41,14 @@ class BlobBytes(Protocol):
         """Yield the bytes under ``key`` from ``offset`` in chunks of at most ``chunk_size``."""
         ...
 
+    async def prepare_objects(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Before the transaction that records blobs ``(sha256, data)``: store what lives outside it."""
+        ...
+
+    async def insert_objects(self, conn: AsyncConnection, items: Sequence[tuple[str, bytes]]) -> None:
+        """Inside that transaction: store what lives in the database."""
+        ...
+
 
 async def sha256_of(source: BlobBytes, key: str) -> tuple[str, int]:
     """Hash the bytes under ``key`` chunk by chunk; return (hex digest, size)."""
@@ -65,6 +73,20 @@ class DatabaseBytes:
         )
         rows = [
             {"blob_key": key, "offset": offset + start, "size": len(piece), "data": piece}
+            for start in range(0, len(data), CHUNK_SIZE)
+            if (piece := data[start : start + CHUNK_SIZE])
+        ]
+        if rows:
+            await conn.execute(sa.insert(blob_chunks), rows)
+
+    async def prepare_objects(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Nothing lives outside the database."""
+
+    async def insert_objects(self, conn: AsyncConnection, items: Sequence[tuple[str, bytes]]) -> None:
+        """Write each blob's chunks under its hash, in the caller's transaction."""
+        rows = [
+            {"blob_key": sha256, "offset": start, "size": len(piece), "data": piece}
+            for sha256, data in items
             for start in range(0, len(data), CHUNK_SIZE)
             if (piece := data[start : start + CHUNK_SIZE])
         ]
@@ -132,6 +154,30 @@ class DirectoryBytes:
     async def write(self, conn: AsyncConnection, key: str, offset: int, data: bytes) -> None:
         """Write (and fsync) ``data`` at ``offset`` of the file for ``key``."""
         await asyncio.to_thread(self._write_sync, key, offset, data)
+
+    def _put_objects_sync(self, items: Sequence[tuple[str, bytes]]) -> None:
+        for sha256, data in items:
+            target = self._path(sha256)
+            if target.exists():
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_name(f".{sha256}.{os.getpid()}.partial")
+            with open(partial, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(partial, target)  # content-addressed: a file under its hash is always complete
+
+    async def prepare_objects(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Write (and fsync) each blob's file under its hash, outside any transaction.
+
+        A crash before the blob rows commit leaves files no row points to; gc removes them.
+        """
+        if items:
+            await asyncio.to_thread(self._put_objects_sync, items)
+
+    async def insert_objects(self, conn: AsyncConnection, items: Sequence[tuple[str, bytes]]) -> None:
+        """Nothing lives in the database."""
 
     def _rename_sync(self, key: str, sha256: str) -> None:
         target = self._path(sha256)

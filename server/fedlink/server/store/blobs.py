@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Collection, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -116,6 +116,41 @@ class SqlBlobStore:
 
         await self._db.write(work)
         return await self._publish(key, sha256, len(data))
+
+    async def put_many(self, datas: Sequence[bytes]) -> list[BlobRef]:
+        """Store many small byte strings (once per content) with one transaction; refs in order.
+
+        For the hot path of results: a batch of reports costs one write transaction for all of
+        their payloads, not several per payload.
+        """
+        refs = [BlobRef(sha256=hashlib.sha256(d).hexdigest(), size_bytes=len(d)) for d in datas]
+        wanted = {ref.sha256: data for ref, data in zip(refs, datas, strict=True)}
+        if not wanted:
+            return refs
+        query = sa.select(blobs.c.sha256).where(blobs.c.sha256.in_(list(wanted)))
+        async with self._db.read() as conn:
+            present = set((await conn.execute(query)).scalars())
+        items = [(sha, data) for sha, data in wanted.items() if sha not in present]
+        if not items:
+            return refs
+        await self._bytes.prepare_objects(items)
+        now = self._clock.now()
+
+        async def work(conn: AsyncConnection) -> None:
+            fresh = [
+                (sha, data)
+                for sha, data in items
+                if await self._blob_row(conn, sha) is None  # a concurrent writer may have won
+            ]
+            await self._bytes.insert_objects(conn, fresh)
+            if fresh:
+                await conn.execute(
+                    self._db.insert_ignore(blobs),
+                    [{"sha256": sha, "size_bytes": len(data), "created_at": now} for sha, data in fresh],
+                )
+
+        await self._db.write(work)
+        return refs
 
     async def put_stream(self, chunks: AsyncIterator[bytes]) -> BlobRef:
         """Store a stream of unknown hash chunk by chunk and return its reference."""

@@ -142,6 +142,10 @@ class BlobStore(Protocol):
         """Store ``data`` (once per content) and return its reference."""
         ...
 
+    async def put_many(self, datas: Sequence[bytes]) -> list[BlobRef]:
+        """Store many small byte strings (once per content) in one transaction; refs in order."""
+        ...
+
     async def put_stream(self, chunks: AsyncIterator[bytes]) -> BlobRef:
         """Store a stream of unknown hash chunk by chunk and return its reference."""
         ...
