@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import numpy as np
 
 from fedlink.v1 import control_service_pb2 as cpb
@@ -182,9 +183,17 @@ async def job_outcome(control: cgrpc.ControlServiceAsyncStub, metadata: Metadata
     )
 
 
-async def abort_job(control: cgrpc.ControlServiceAsyncStub, metadata: Metadata, job_id: str) -> None:
-    """Aborts a job that is still running (the benchmark's cleanup)."""
-    await control.AbortJob(
-        cpb.AbortJobRequest(job_id=job_id, reason="benchmark over", request_id=str(uuid.uuid4())),
-        metadata=metadata,
-    )
+async def abort_job(control: cgrpc.ControlServiceAsyncStub, metadata: Metadata, job_id: str) -> str:
+    """Aborts a job that is still running (the benchmark's cleanup); returns "" or why it failed.
+
+    Cleanup only: the coordinator process is stopped next anyway, so a failure is reported, not raised.
+    """
+    try:
+        await control.AbortJob(
+            cpb.AbortJobRequest(job_id=job_id, reason="benchmark over", request_id=str(uuid.uuid4())),
+            metadata=metadata,
+            timeout=30,
+        )
+    except grpc.aio.AioRpcError as exc:
+        return f"AbortJob: {exc.code().name} {exc.details()}"
+    return ""

@@ -225,8 +225,9 @@ async def model_delivery(cfg: Config, workdir: Path, model: ModelFile) -> dict[s
                     load.send("go")
                     result = await load.event("result", timeout_s=1800)
                 after = proc_stats.memory_use(coord.pid)
-            await abort_job(control, admin, job_id)
+            cleanup = await abort_job(control, admin, job_id)
     result |= {
+        "cleanup": cleanup,
         "model_bytes": model.size_bytes,
         "upload_s": round(upload_s, 2),
         "coordinator_rss_before_download_mib": round(before.rss_bytes / MiB, 1),
@@ -317,7 +318,7 @@ async def idle_polls(cfg: Config, workdir: Path) -> dict[str, Any]:
                 for load in loads:
                     load.send("stop")
                 results = [await load.event("result", timeout_s=120) for load in loads]
-            await abort_job(control, admin, job_id)
+            cleanup = await abort_job(control, admin, job_id)
     polls: dict[str, int] = {}
     errors: dict[str, int] = {}
     for r in results:
@@ -339,6 +340,7 @@ async def idle_polls(cfg: Config, workdir: Path) -> dict[str, Any]:
         "completed_polls": polls,
         "errors": errors,
         "load_cpu_s": [r["process_cpu_s"] for r in results],
+        "cleanup": cleanup,
         "checks": {
             "every_device_waiting": waiting == cfg.idle_devices,
             "nothing_handed_out": sum(r["handed_out"] for r in results) == 0,
@@ -364,7 +366,13 @@ async def _postgres_throughput(cfg: Config, workdir: Path) -> dict[str, Any]:
         await asyncio.to_thread(drop_pg_database, cfg.postgres_url, url)
 
 
-async def run(cfg: Config, workdir: Path) -> dict[str, Any]:
+def _save_partial(report: dict[str, Any], path: Path | None) -> None:
+    # A 20-minute run should not lose its finished parts to a failure in a later one.
+    if path is not None:
+        path.with_suffix(".partial.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+
+
+async def run(cfg: Config, workdir: Path, partial: Path | None = None) -> dict[str, Any]:
     """Runs the chosen parts and returns every figure, ratio and check."""
     report: dict[str, Any] = {
         "config": asdict(cfg) | {"profile_dir": str(cfg.profile_dir)},
@@ -382,6 +390,7 @@ async def run(cfg: Config, workdir: Path) -> dict[str, Any]:
             if "rpcs_per_s" in result:
                 result["ratio_to_echo"] = round(result["rpcs_per_s"] / echo["calls_per_s"], 3)
         report["throughput"] = {"echo": echo, **runs}
+        _save_partial(report, partial)
     if "download" in cfg.parts:
         model = await asyncio.to_thread(write_model_file, workdir / "big-model.bin", cfg.big_model_elements)
         try:
@@ -395,6 +404,7 @@ async def run(cfg: Config, workdir: Path) -> dict[str, Any]:
             coordinator["coordinator_peak_during_download_mib"] * MiB / model.size_bytes, 2
         )
         report["download"] = {"coordinator": coordinator, "raw": raw}
+        _save_partial(report, partial)
     if "idle" in cfg.parts:
         report["idle"] = await idle_polls(cfg, workdir)
     report["checks"] = _all_checks(report)
@@ -526,7 +536,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = config_from(args)
     workdir = Path(tempfile.mkdtemp(prefix="fedlink-protocol-bench-"))
     try:
-        report = asyncio.run(run(cfg, workdir))
+        report = asyncio.run(run(cfg, workdir, args.json))
     finally:
         if args.keep_workdir:
             print(f"workdir kept: {workdir}")
