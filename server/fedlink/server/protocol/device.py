@@ -336,9 +336,13 @@ class DeviceProtocol:
         deadline = loop.time() + budget
         while self._accepting:
             waiter = self._notifier.waiter(job_id)
-            assignment = await self._claims.submit(ClaimRequest(device_id=device.device_id, job_id=job_id))
-            if assignment is not None:
-                return await self._task_reply(device, job_id, assignment)
+            # Most polls find nothing: find that out with a read, and claim (a write) only when there
+            # is something to claim.
+            if await self._store.has_claimable(device.device_id, job_id, self._clock.now()):
+                request = ClaimRequest(device_id=device.device_id, job_id=job_id)
+                assignment = await self._claims.submit(request)
+                if assignment is not None:
+                    return await self._task_reply(device, job_id, assignment)
             remaining = deadline - loop.time()
             if remaining <= 0:
                 break

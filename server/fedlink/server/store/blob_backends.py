@@ -197,12 +197,16 @@ class DirectoryBytes:
         if keys:
             await asyncio.to_thread(self._remove_sync, keys)
 
+    def _read_sync(self, key: str, offset: int, size: int) -> bytes:
+        with open(self._path(key), "rb") as f:
+            f.seek(offset)
+            return f.read(size)
+
     async def read(self, key: str, offset: int, chunk_size: int) -> AsyncIterator[bytes]:
-        """Read the file for ``key`` chunk by chunk in a worker thread."""
-        f = await asyncio.to_thread(open, self._path(key), "rb")
-        try:
-            await asyncio.to_thread(f.seek, offset)
-            while chunk := await asyncio.to_thread(f.read, chunk_size):
-                yield chunk
-        finally:
-            f.close()
+        """Read the file for ``key`` chunk by chunk, one worker-thread hop per chunk."""
+        position = offset
+        while chunk := await asyncio.to_thread(self._read_sync, key, position, chunk_size):
+            yield chunk
+            position += len(chunk)
+            if len(chunk) < chunk_size:
+                return

@@ -159,6 +159,16 @@ class ClaimQueries(StoreCore):
 
         return await self._db.write(work)
 
+    async def has_claimable(self, device_id: str, job_id: str, now: datetime) -> bool:
+        """Tell, in a read transaction, whether a claim by the device could get anything now.
+
+        Long-polling devices ask far more often than there is work; this check keeps those asks off
+        the write path.
+        """
+        params = {"device_id": device_id, "job_id": job_id, "now": now}
+        async with self._db.read() as conn:
+            return bool((await conn.execute(self._claim_statements().anything, params)).scalar())
+
     def _claim_statements(self) -> _ClaimStatements:
         statements: _ClaimStatements | None = getattr(self, "_claims_prepared", None)
         if statements is None:
@@ -346,6 +356,7 @@ class _ClaimStatements:
             .limit(1)
         )
         self.lookups = [(candidates, self._pick(insert, candidates)) for candidates in (targeted, untargeted)]
+        self.anything = sa.select(sa.or_(self.held.exists(), targeted.exists(), untargeted.exists()))
 
     @staticmethod
     def _pick(insert: sa.Insert, candidates: sa.Select[Any]) -> Any:

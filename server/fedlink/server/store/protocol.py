@@ -345,6 +345,10 @@ class StateStore(Protocol):
         """Serve one task request; None if nothing is available for the device."""
         ...
 
+    async def has_claimable(self, device_id: str, job_id: str, now: datetime) -> bool:
+        """Tell, without writing, whether a claim by the device could get anything now."""
+        ...
+
     async def get_assignment(self, assignment_id: str) -> Assignment:
         """Return an assignment; NotFound if unknown."""
         ...
