@@ -98,10 +98,19 @@ class Stalls:
     """Works until aborted (checks the abort signal), counting how many tasks it was stopped in."""
 
     def __init__(self) -> None:
+        self.started = 0
         self.aborted = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+
+    def wait_started(self, count: int, timeout: float) -> bool:
+        """Blocks until ``count`` tasks are running (True) or ``timeout`` seconds passed (False)."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self.started >= count, timeout)
 
     def execute(self, dxo: DXO, ctx: Context, abort_signal: Signal) -> DXO:
+        with self._lock:
+            self.started += 1
+            self._lock.notify_all()
         while True:
             try:
                 abort_signal.check()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 
 import numpy as np
 import pytest
 
-from fedlink.simulation import SimulationError, run_simulation
+from fedlink.simulation import SimulationError, run_simulation, run_simulation_async
 
 from .conftest import FailOnPartitions, Stalls, WritesIntoModel, job_with
 
@@ -47,3 +49,16 @@ def test_a_simulation_that_cannot_finish_stops_at_its_timeout() -> None:
         run_simulation(job_with(), 2, runner=stalls, timeout=2)
     assert time.monotonic() - started < 15
     assert stalls.aborted == 2  # the running tasks were told to stop, not left behind
+
+
+async def test_cancelling_the_simulation_stops_its_devices_and_core() -> None:
+    stalls = Stalls()
+    running = asyncio.create_task(
+        run_simulation_async(job_with(), 3, runner=stalls, timeout=60, backend_config={"num_cpus": 3})
+    )
+    assert await asyncio.to_thread(stalls.wait_started, 3, 20.0)
+    running.cancel()  # what Ctrl-C does to the simulation's main task
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    assert stalls.aborted == 3
+    assert not [t for t in threading.enumerate() if t.name == "fedlink-simulation"]

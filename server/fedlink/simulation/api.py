@@ -66,9 +66,13 @@ class _Thread:
 
         try:
             with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-                self.future.set_result(runner.run(body()))
+                result = runner.run(body())
         except BaseException as exc:  # handed to the waiting thread, which re-raises it
-            self.future.set_exception(exc)
+            if not self.future.done():
+                self.future.set_exception(exc)
+        else:
+            if not self.future.done():
+                self.future.set_result(result)
         finally:
             self._ready.set()
 
@@ -266,7 +270,8 @@ async def run_simulation_async(
     )
     thread = _Thread(make)
     try:
-        result: SimulationResult = await asyncio.wrap_future(thread.future)
+        # shield: cancelling the caller must cancel the simulation (below), not just forget its future.
+        result: SimulationResult = await asyncio.shield(asyncio.wrap_future(thread.future))
     except asyncio.CancelledError:
         thread.cancel()
         await asyncio.get_running_loop().run_in_executor(None, thread.join)
