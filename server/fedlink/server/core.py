@@ -10,8 +10,10 @@ import asyncio
 import hashlib
 import hmac
 import os
+import secrets
 import socket
 from collections.abc import Callable
+from pathlib import Path
 from types import TracebackType
 
 from fedlink.server.domain import Clock, SystemClock, Task
@@ -36,6 +38,30 @@ class _PokeSupervisor(ResultListener):
 
     def result_recorded(self, job_id: str, task: Task) -> None:
         self._supervisor.poke(job_id)
+
+
+def coordinator_id(data_dir: Path) -> str:
+    """This coordinator's stable identity, kept in its data directory.
+
+    Which coordinator drives a run is a lease held under this id; a coordinator restarted on the same
+    data directory is the same owner and resumes its runs at once instead of waiting for its own
+    lease to expire.
+    """
+    path = data_dir / "coordinator-id"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    identity = f"{socket.gethostname()}-{secrets.token_hex(4)}"
+    partial = path.with_name(f".coordinator-id.{os.getpid()}")
+    partial.write_text(identity + "\n")
+    try:
+        os.link(partial, path)  # first writer wins; a concurrent start reads the winner's id
+    except FileExistsError:
+        pass
+    finally:
+        partial.unlink(missing_ok=True)
+    return path.read_text().strip()
 
 
 class CoordinatorCore:
@@ -102,7 +128,7 @@ class CoordinatorCore:
         key = await store.get_or_create_signing_key()
         notifier = LocalTaskNotifier()
         events = JobEvents(store)
-        owner = f"{socket.gethostname()}:{os.getpid()}"
+        owner = coordinator_id(s.data_dir)
         supervisor = JobSupervisor(
             store, clock=self.clock, notifier=notifier, events=events, owner=owner, poll_seconds=self._poll
         )

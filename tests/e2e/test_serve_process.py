@@ -1,0 +1,257 @@
+"""`fedlink serve` as its own process: a FedAvg job driven by stub-only devices is bit-exact, and a
+coordinator SIGKILLed in the middle of a round resumes it with every acknowledged result counted once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from fedlink.v1 import control_service_pb2 as cpb
+from fedlink.v1 import control_service_pb2_grpc as cgrpc
+from fedlink.v1 import dxo_pb2, states_pb2
+from fedlink.v1 import runner_service_pb2 as rpb
+from fedlink.v1 import runner_service_pb2_grpc as rgrpc
+
+from .conftest import dense, read_tensor, weights_dxo
+
+pytestmark = pytest.mark.slow
+
+SHAPES = {"w": (4, 3), "b": (3,)}
+
+
+class Serve:
+    """A `fedlink serve` process on a data directory (and optionally another database)."""
+
+    def __init__(self, data_dir: Path, db_url: str | None) -> None:
+        self.data_dir = data_dir
+        self.db_url = db_url
+        self.process: subprocess.Popen[str] | None = None
+        self.address = ""
+
+    def migrate(self) -> None:
+        """`fedlink db upgrade`, as an operator does before the first start on PostgreSQL."""
+        if self.db_url:
+            fedlink = str(Path(sys.executable).parent / "fedlink")
+            subprocess.run([fedlink, "db", "upgrade", "--db", self.db_url], check=True, capture_output=True)
+
+    def start(self) -> None:
+        fedlink = str(Path(sys.executable).parent / "fedlink")
+        args = [fedlink, "serve", "--data-dir", str(self.data_dir), "--listen-address", "127.0.0.1:0"]
+        args += ["--insecure", "--open-enrolment", "--reaper-interval", "200ms"]
+        if self.db_url:
+            args += ["--db-url", self.db_url]
+        self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert self.process.stdout is not None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = self.process.stdout.readline()
+            if not line:
+                raise AssertionError(f"fedlink serve exited with {self.process.wait()}")
+            if " listening on " in line:
+                self.address = line.split(" listening on ", 1)[1].split()[0]
+                return
+        raise AssertionError("fedlink serve did not report its address within 60 s")
+
+    def kill(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+        self.process.stdout.close()
+
+    def stop(self) -> int:
+        if self.process is None:
+            return 0
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        code = self.process.wait(timeout=30)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+        return code
+
+    @property
+    def admin(self) -> tuple[tuple[str, str], ...]:
+        token = (self.data_dir / "admin-token").read_text().strip()
+        return (("authorization", f"Bearer {token}"),)
+
+
+class Device:
+    """A device written against the generated stubs only, as a client in another language would."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.request_id = str(uuid.uuid4())
+        self.credential = ""
+        self.device_id = ""
+        self.tasks: list[str] = []
+
+    def stub(self, address: str) -> rgrpc.RunnerServiceStub:
+        return rgrpc.RunnerServiceStub(grpc.insecure_channel(address))
+
+    @property
+    def meta(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.credential}"),)
+
+    def enroll(self, address: str) -> None:
+        reply = self.stub(address).Enroll(
+            rpb.EnrollRequest(
+                protocol_version="1.0", request_id=self.request_id, device_info={"i": str(self.index)}
+            )
+        )
+        self.device_id, self.credential = reply.device_id, reply.device_credential
+
+    def next_task(self, address: str, job_id: str, wait_s: float = 20.0) -> rpb.GetTaskResponse:
+        stub = self.stub(address)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            request = rpb.GetTaskRequest(job_id=job_id)
+            request.wait_timeout.FromSeconds(2)
+            task = stub.GetTask(request, metadata=self.meta)
+            if task.status == rpb.RUNNER_STATUS_OK:
+                self.tasks.append(task.task_id)
+                return task
+            if task.status == rpb.RUNNER_STATUS_DONE:
+                return task
+        raise AssertionError(f"device {self.index} got no task within {wait_s} s")
+
+    def report(
+        self, address: str, job_id: str, task: rpb.GetTaskResponse, round_no: int, request_id: str
+    ) -> rpb.ReportResultResponse:
+        diff = dxo_pb2.Dxo(kind=dxo_pb2.DATA_KIND_WEIGHT_DIFF)
+        for name, shape in SHAPES.items():
+            diff.data[name].CopyFrom(dense(update(self.index, round_no, shape)))
+        diff.meta["num_examples"].int_value = 5 * (self.index + 1)
+        request = rpb.ReportResultRequest(
+            job_id=job_id,
+            task_id=task.task_id,
+            cookie=task.cookie,
+            status=states_pb2.RESULT_STATUS_SUCCEEDED,
+            request_id=request_id,
+        )
+        request.result.dxo.CopyFrom(diff)
+        reply: rpb.ReportResultResponse = self.stub(address).ReportResult(request, metadata=self.meta)
+        return reply
+
+
+def update(index: int, round_no: int, shape: tuple[int, ...]) -> np.ndarray:
+    return np.random.default_rng([index, round_no]).normal(size=shape).astype(np.float32)
+
+
+def expected_model(
+    initial: dict[str, np.ndarray], devices: list[Device], rounds: int
+) -> dict[str, np.ndarray]:
+    """FedAvg as the coordinator must compute it: float64 weighted sums in device-id order."""
+    model = {k: v.copy() for k, v in initial.items()}
+    for round_no in range(1, rounds + 1):
+        for name, value in model.items():
+            total = np.zeros(value.shape, np.float64)
+            weight = 0.0
+            for device in sorted(devices, key=lambda d: d.device_id):
+                w = 5 * (device.index + 1)
+                total += update(device.index, round_no, value.shape).astype(np.float64) * np.float64(w)
+                weight += w
+            model[name] = (value.astype(np.float64) + total / weight).astype(np.float32)
+    return model
+
+
+def submit(serve: Serve, initial: dict[str, np.ndarray], rounds: int) -> str:
+    control = cgrpc.ControlServiceStub(grpc.insecure_channel(serve.address))
+    data = weights_dxo(initial).SerializeToString(deterministic=True)
+    sha = hashlib.sha256(data).hexdigest()
+    header = dxo_pb2.BlobUploadHeader(sha256=sha, size_bytes=len(data))
+    parts = iter([cpb.UploadModelRequest(header=header), cpb.UploadModelRequest(chunk=data)])
+    control.UploadModel(parts, metadata=serve.admin)
+    spec = cpb.JobSpec(name="kill-test", initial_model=dxo_pb2.BlobRef(sha256=sha))
+    spec.fedavg.num_rounds = rounds
+    spec.fedavg.round_timeout.FromSeconds(120)
+    job: str = control.SubmitJob(
+        cpb.SubmitJobRequest(spec=spec, request_id="submit-1"), metadata=serve.admin
+    ).job.job_id
+    return job
+
+
+def final_model(serve: Serve, job_id: str) -> tuple[int, dict[str, np.ndarray]]:
+    control = cgrpc.ControlServiceStub(grpc.insecure_channel(serve.address))
+    deadline = time.monotonic() + 30
+    job = control.DescribeJob(cpb.DescribeJobRequest(job_id=job_id), metadata=serve.admin).job
+    while (
+        job.state in (states_pb2.JOB_STATE_PENDING, states_pb2.JOB_STATE_RUNNING)
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.1)
+        job = control.DescribeJob(cpb.DescribeJobRequest(job_id=job_id), metadata=serve.admin).job
+    chunks = control.DownloadModel(cpb.DownloadModelRequest(job_id=job_id), metadata=serve.admin)
+    model = dxo_pb2.Dxo.FromString(b"".join(c.data for c in chunks))
+    return job.state, {name: read_tensor(t) for name, t in model.data.items()}
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def serve(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Serve]:
+    db_url = request.getfixturevalue("pg_database") if request.param == "postgres" else None
+    process = Serve(tmp_path / "data", db_url)
+    try:
+        yield process
+    finally:
+        if process.process is not None and process.process.poll() is None:
+            process.process.kill()
+        process.stop()
+
+
+def test_sigkill_mid_round_counts_every_acknowledged_result_once(serve: Serve) -> None:
+    initial = {
+        name: np.arange(np.prod(shape), dtype=np.float32).reshape(shape) for name, shape in SHAPES.items()
+    }
+    serve.migrate()
+    serve.start()
+    devices = [Device(i) for i in range(3)]
+    for device in devices:
+        device.enroll(serve.address)
+    job_id = submit(serve, initial, rounds=2)
+
+    # Round 1: two devices report and are acknowledged; the third holds its task when the coordinator dies.
+    tasks = {d.index: d.next_task(serve.address, job_id) for d in devices}
+    acked: dict[int, str] = {}
+    for device in devices[:2]:
+        request_id = f"r1-{device.index}"
+        assert (
+            device.report(serve.address, job_id, tasks[device.index], 1, request_id).status
+            == rpb.RUNNER_STATUS_OK
+        )
+        acked[device.index] = request_id
+    serve.kill()
+
+    serve.start()  # same data directory and database
+    # A device whose acknowledgement it never saw retries with the same request id: the original OK.
+    retry = devices[0].report(serve.address, job_id, tasks[0], 1, acked[0])
+    assert retry.status == rpb.RUNNER_STATUS_OK
+    # The third device finishes its round-1 task after the restart (its lease and cookie survived).
+    assert devices[2].report(serve.address, job_id, tasks[2], 1, "r1-2").status == rpb.RUNNER_STATUS_OK
+
+    # Round 2: everyone gets a new task; nobody is asked to redo round 1.
+    for device in devices:
+        task = device.next_task(serve.address, job_id)
+        assert task.status == rpb.RUNNER_STATUS_OK
+        assert task.task_id != tasks[device.index].task_id
+        assert (
+            device.report(serve.address, job_id, task, 2, f"r2-{device.index}").status == rpb.RUNNER_STATUS_OK
+        )
+
+    state, model = final_model(serve, job_id)
+    assert state == states_pb2.JOB_STATE_FINISHED
+    expected = expected_model(initial, devices, rounds=2)
+    for name, value in expected.items():
+        assert model[name].tobytes() == value.tobytes(), f"{name} differs: a result was lost or counted twice"
+    for device in devices:
+        assert len(device.tasks) == 2 and len(set(device.tasks)) == 2
+        assert device.next_task(serve.address, job_id).status == rpb.RUNNER_STATUS_DONE
+    assert serve.stop() == 0
