@@ -59,7 +59,7 @@ def fedavg_params(config: pb.FedAvgConfig, *, default_keep: int) -> FedAvgParams
         evaluate=config.evaluate,
         round_failure_policy=policy,
         max_round_retries=config.max_round_retries,
-        keep_checkpoints=config.keep_checkpoints if config.keep_checkpoints else default_keep,
+        keep_checkpoints=config.keep_checkpoints if config.HasField("keep_checkpoints") else default_keep,
     )
 
 

@@ -83,7 +83,9 @@ class FedAvgConfig(_message.Message):
     max_round_retries: _builtins.int
     """How many times one round may be retried under ROUND_FAILURE_POLICY_RETRY."""
     keep_checkpoints: _builtins.int
-    """How many of the latest round checkpoints to keep besides the final model; zero keeps none."""
+    """How many of the latest round checkpoints to keep besides the final model. Unset means the
+    coordinator's default (3); zero keeps none.
+    """
     @_builtins.property
     def round_timeout(self) -> _duration_pb2.Duration:
         """How long a round stays open for results. Zero means the coordinator's default."""
@@ -101,13 +103,15 @@ class FedAvgConfig(_message.Message):
         evaluate: _builtins.bool = ...,
         round_failure_policy: Global___RoundFailurePolicy.ValueType = ...,
         max_round_retries: _builtins.int = ...,
-        keep_checkpoints: _builtins.int = ...,
+        keep_checkpoints: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["round_timeout", b"round_timeout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_keep_checkpoints", b"_keep_checkpoints", "keep_checkpoints", b"keep_checkpoints", "round_timeout", b"round_timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices_per_round", b"devices_per_round", "evaluate", b"evaluate", "fraction", b"fraction", "keep_checkpoints", b"keep_checkpoints", "max_round_retries", b"max_round_retries", "min_devices", b"min_devices", "min_results", b"min_results", "num_rounds", b"num_rounds", "round_failure_policy", b"round_failure_policy", "round_timeout", b"round_timeout", "seed", b"seed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_keep_checkpoints", b"_keep_checkpoints", "devices_per_round", b"devices_per_round", "evaluate", b"evaluate", "fraction", b"fraction", "keep_checkpoints", b"keep_checkpoints", "max_round_retries", b"max_round_retries", "min_devices", b"min_devices", "min_results", b"min_results", "num_rounds", b"num_rounds", "round_failure_policy", b"round_failure_policy", "round_timeout", b"round_timeout", "seed", b"seed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__keep_checkpoints: _TypeAlias = _typing.Literal["keep_checkpoints"]  # noqa: Y015
+    _WhichOneofArgType__keep_checkpoints: _TypeAlias = _typing.Literal["_keep_checkpoints", b"_keep_checkpoints"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__keep_checkpoints) -> _WhichOneofReturnType__keep_checkpoints | None: ...
 
 Global___FedAvgConfig: _TypeAlias = FedAvgConfig  # noqa: Y015
 
@@ -863,7 +867,7 @@ class ListDevicesResponse(_message.Message):
     """Token for the next page; empty when this is the last page."""
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___Device]:
-        """The page of devices, in enrolment order."""
+        """The page of devices, newest enrolment first."""
 
     def __init__(
         self,
