@@ -14,7 +14,7 @@ from fedlink.cli.main import build_cli
 from fedlink.common.version import PROTOCOL_VERSION, __version__
 
 VERSION_LINE = f"fedlink {__version__} (device protocol {PROTOCOL_VERSION})"
-NOT_WRITTEN_YET = ("simulate",)
+NOT_WRITTEN_YET: tuple[str, ...] = ()
 
 
 def run(*args: str, server_extra: bool) -> tuple[int, str]:
