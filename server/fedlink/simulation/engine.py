@@ -69,7 +69,8 @@ class Plan:
     device_info: Mapping[str, str]
     heterogeneity: Heterogeneity
     seed: int
-    #: ":memory:" (SQLite's in-memory database) or the path of a new SQLite file.
+    #: ":memory:" (a throwaway store in a temporary directory, removed at the end) or the path of a
+    #: new SQLite file to inspect later.
     store: str | Path
     timeout_s: float
     sinks: Sequence[ProgressSink] = field(default=())
@@ -167,7 +168,9 @@ class _WorkflowErrors(logging.Handler):
 
 def _settings(plan: Plan, workdir: Path) -> CoordinatorSettings:
     if plan.store == ":memory:":
-        url, blob_dir = "sqlite+aiosqlite:///:memory:", workdir / "blobs"
+        # A throwaway SQLite file in the run's temporary directory rather than SQLite's :memory:,
+        # whose single shared connection serialises every read and is lost if a call is cancelled.
+        url, blob_dir = f"sqlite+aiosqlite:///{workdir / 'simulation.db'}", workdir / "blobs"
     else:
         path = Path(plan.store).resolve()
         url, blob_dir = f"sqlite+aiosqlite:///{path}", Path(f"{path}.blobs")

@@ -335,7 +335,7 @@ class DeviceProtocol:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
         while self._accepting:
-            waiter = self._notifier.waiter(job_id)
+            waiter = self._notifier.waiter(job_id, device.device_id)
             # Most polls find nothing: find that out with a read, and claim (a write) only when there
             # is something to claim.
             if await self._store.has_claimable(device.device_id, job_id, self._clock.now()):

@@ -9,6 +9,7 @@ small so that a PostgreSQL LISTEN/NOTIFY implementation can wake waiters on othe
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Collection
 from typing import Protocol
 
 
@@ -23,14 +24,14 @@ class Waiter(Protocol):
 class TaskNotifier(Protocol):
     """Wakes devices waiting for tasks of a job."""
 
-    def notify(self, job_id: str) -> None:
-        """Signals that ``job_id`` may have new work."""
+    def notify(self, job_id: str, devices: Collection[str] | None = None) -> None:
+        """Signals that ``job_id`` may have new work: for these devices only, or (None) for all."""
 
     def notify_all(self) -> None:
         """Wakes every waiter (e.g. on shutdown)."""
 
-    def waiter(self, job_id: str) -> Waiter:
-        """Returns a waiter for the next notification of ``job_id`` after this call."""
+    def waiter(self, job_id: str, device_id: str) -> Waiter:
+        """Returns a waiter for the next notification of ``job_id`` that concerns ``device_id``."""
         ...
 
 
@@ -52,26 +53,39 @@ class _EventWaiter:
 
 
 class LocalTaskNotifier:
-    """In-process notifier: one event per job, replaced on each notification."""
+    """In-process notifier: one event per waiting (job, device), replaced on each notification.
+
+    A task handed to one device wakes that device alone, not every device polling the job.
+    """
 
     def __init__(self) -> None:
-        self._events: dict[str, asyncio.Event] = {}
+        self._events: dict[str, dict[str, asyncio.Event]] = {}
 
-    def notify(self, job_id: str) -> None:
-        """Wakes every current waiter of ``job_id``."""
-        event = self._events.pop(job_id, None)
-        if event is not None:
-            event.set()
+    def notify(self, job_id: str, devices: Collection[str] | None = None) -> None:
+        """Wakes the current waiters of ``job_id``: of ``devices`` only, or all of them."""
+        waiting = self._events.get(job_id)
+        if not waiting:
+            return
+        if devices is None:
+            del self._events[job_id]
+            for event in waiting.values():
+                event.set()
+            return
+        for device in devices:
+            if device in waiting:
+                waiting.pop(device).set()
 
     def notify_all(self) -> None:
         """Wakes every waiter of every job."""
         events, self._events = self._events, {}
-        for event in events.values():
-            event.set()
+        for waiting in events.values():
+            for event in waiting.values():
+                event.set()
 
-    def waiter(self, job_id: str) -> Waiter:
-        """Returns a waiter for the next :meth:`notify` of ``job_id``."""
-        event = self._events.get(job_id)
+    def waiter(self, job_id: str, device_id: str) -> Waiter:
+        """Returns a waiter for the next :meth:`notify` of ``job_id`` that includes ``device_id``."""
+        waiting = self._events.setdefault(job_id, {})
+        event = waiting.get(device_id)
         if event is None:
-            event = self._events[job_id] = asyncio.Event()
+            event = waiting[device_id] = asyncio.Event()
         return _EventWaiter(event)

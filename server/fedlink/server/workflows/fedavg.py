@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from fedlink.common.dxo import DXO, DataKind, weight_of
+from fedlink.common.dxo import DXO, DataKind, MetaKey, weight_of
 from fedlink.common.errors import FailedPrecondition, InvalidArgument
 from fedlink.server.domain import (
     Assignment,
@@ -186,7 +186,7 @@ class FedAvg:
     async def _round(self, ctx: WorkflowContext, round_no: int, model_sha: str) -> str:
         train = await self._collect(ctx, round_no, TRAIN_TASK, model_sha)
         global_model = DXO.from_bytes(await ctx.store.blobs.read(model_sha))
-        new_model, train_metrics = await self._aggregate(ctx, global_model, train.succeeded())
+        new_model, train_metrics = await self._aggregate(ctx, global_model, train.succeeded(), round_no)
         new_ref = await ctx.store.blobs.put_bytes(new_model.to_bytes())
         metrics = dict(train_metrics)
         if self.params.evaluate:
@@ -352,7 +352,7 @@ class FedAvg:
                 for device in devices
             ]
         )
-        ctx.notifier.notify(ctx.job.job_id)
+        ctx.notifier.notify(ctx.job.job_id, devices)
 
     async def _replace_lost(
         self,
@@ -383,7 +383,7 @@ class FedAvg:
 
     # ---- aggregation ----
     async def _aggregate(
-        self, ctx: WorkflowContext, global_model: DXO, results: Sequence[Result]
+        self, ctx: WorkflowContext, global_model: DXO, results: Sequence[Result], round_no: int
     ) -> tuple[DXO, dict[str, float]]:
         spec = model_spec(global_model.data)
         average = WeightedAverage(spec)
@@ -401,7 +401,10 @@ class FedAvg:
             metrics.add(update.meta, weight)
         new = apply_average(global_model.data, average, is_diff=True)
         return DXO(
-            kind=DataKind.WEIGHTS, data=dict(new), meta={"round_results": average.count}
+            kind=DataKind.WEIGHTS,
+            data=dict(new),
+            # The version a trainer sees next round: it seeds the shuffling, so rounds differ.
+            meta={MetaKey.MODEL_VERSION: round_no, "round_results": average.count},
         ), metrics.result()
 
     async def _metrics(
@@ -416,7 +419,9 @@ class FedAvg:
                 weight = weight_of(dxo)
             except InvalidArgument:
                 weight = 1.0
-            metrics.add(dxo.meta, weight)
+            # Evaluators put scalar metrics in meta or, like the built-in trainers, as 0-d data.
+            scalars = {k: float(v) for k, v in dxo.data.items() if v.size == 1 and v.dtype.kind in "fiu"}
+            metrics.add({**scalars, **dxo.meta}, weight)
         return {prefix + k if not k.startswith(prefix) else k: v for k, v in metrics.result().items()}
 
 
