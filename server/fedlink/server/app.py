@@ -12,6 +12,7 @@ import asyncio
 import logging
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -33,6 +34,7 @@ from fedlink.server.credentials import (
 )
 from fedlink.server.domain import Clock, Device, SystemClock
 from fedlink.server.protocol.device import DeviceProtocol
+from fedlink.server.services.metrics import MetricsCollector
 from fedlink.server.settings import CoordinatorSettings
 from fedlink.server.store.sql import SqlStateStore
 from fedlink.server.telemetry import MetricsServer, Telemetry
@@ -44,6 +46,8 @@ log = logging.getLogger(__name__)
 RUNNER_SERVICE = runner_service_pb2.DESCRIPTOR.services_by_name["RunnerService"]
 CONTROL_SERVICE = control_service_pb2.DESCRIPTOR.services_by_name["ControlService"]
 _AUTH_CACHE_SECONDS = 2.0
+#: Calls grpc-core may hold for the server before cancelling new ones (its defaults: 1,000 and 3,000).
+_MAX_PENDING_CALLS = 100_000
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,6 +124,7 @@ class Coordinator:
         self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self._closed = asyncio.Event()
         self._metrics_server: MetricsServer | None = None
+        self._collector: asyncio.Task[None] | None = None
         self.telemetry = Telemetry()
         self.endpoint: Endpoint | None = None
         self.admin_token = ""
@@ -143,7 +148,12 @@ class Coordinator:
     async def start(self) -> None:
         """Opens the store, starts the services and the gRPC server."""
         s = self.settings
-        core = CoordinatorCore(s, clock=self._clock, join_secret=resolve_join_secret(s))
+        core = CoordinatorCore(
+            s,
+            clock=self._clock,
+            join_secret=resolve_join_secret(s),
+            on_result_outcome=self.telemetry.count_result,
+        )
         self.core = core
         self._stack.push_async_callback(core.stop)
         await core.start()
@@ -159,6 +169,10 @@ class Coordinator:
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", s.max_message_bytes),
                 ("grpc.max_send_message_length", s.max_message_bytes),
+                # grpc-core cancels calls beyond 1,000 pending (3,000 hard) requests: thousands of
+                # devices in GetTask long polls need far more (bench/protocol_bench.py, idle part).
+                ("grpc.server.max_pending_requests", _MAX_PENDING_CALLS),
+                ("grpc.server.max_pending_requests_hard_limit", 2 * _MAX_PENDING_CALLS),
             ]
         )
         server.add_generic_rpc_handlers(
@@ -212,8 +226,15 @@ class Coordinator:
         self.endpoint = Endpoint(address=f"{host}:{port}", port=port, ca_cert=ca_cert, insecure=s.insecure)
         if s.metrics_address:
             self._metrics_server = self.telemetry.start_http_server(s.metrics_address)
+            collector = MetricsCollector(store, self.telemetry, interval=timedelta(seconds=5))
+            self._collector = asyncio.create_task(collector.serve(), name="metrics")
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("coordinator listening", extra={"address": self.endpoint.address})
+
+    @property
+    def metrics_url(self) -> str | None:
+        """The URL of the Prometheus endpoint, when one is served."""
+        return self._metrics_server.url if self._metrics_server is not None else None
 
     async def _set_health(self, status: int) -> None:
         for name in ("", RUNNER_SERVICE.full_name, CONTROL_SERVICE.full_name):
@@ -236,6 +257,9 @@ class Coordinator:
                 if self.device_protocol is not None:
                     self.device_protocol.stop_accepting()
                 await self._server.stop(grace_s)
+            if self._collector is not None:
+                self._collector.cancel()
+                await asyncio.gather(self._collector, return_exceptions=True)
             if self._metrics_server is not None:
                 self._metrics_server.stop()
             await self._stack.aclose()

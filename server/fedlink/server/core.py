@@ -74,11 +74,13 @@ class CoordinatorCore:
         clock: Clock | None = None,
         join_secret: str | None = None,
         supervisor_poll_seconds: float = 1.0,
+        on_result_outcome: Callable[[str], None] | None = None,
     ) -> None:
         self.settings = settings
         self.clock: Clock = clock or SystemClock()
         self._join_secret = join_secret
         self._poll = supervisor_poll_seconds
+        self._on_result_outcome = on_result_outcome
         self._tasks: list[asyncio.Task[None]] = []
         self._store: SqlStateStore | None = None
         self._device: DeviceProtocol | None = None
@@ -149,6 +151,7 @@ class CoordinatorCore:
                 join_secret=self._join_secret,
             ),
             listener=_PokeSupervisor(supervisor),
+            on_outcome=self._on_result_outcome,
         )
         self._control = ControlProtocol(
             store,

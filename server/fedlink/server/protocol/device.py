@@ -13,7 +13,7 @@ import enum
 import hashlib
 import hmac
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -209,6 +209,7 @@ class DeviceProtocol:
         clock: Clock,
         config: DeviceProtocolConfig,
         listener: ResultListener | None = None,
+        on_outcome: Callable[[str], None] | None = None,
     ) -> None:
         self._store = store
         self._signer = signer
@@ -218,6 +219,8 @@ class DeviceProtocol:
         self._clock = clock
         self._config = config
         self._listener = listener or ResultListener()
+        #: Told "accepted", "failed", "stale" or "rejected" per report (metrics).
+        self._on_outcome = on_outcome or (lambda outcome: None)
         self._claims: Batcher[ClaimRequest, Assignment | None] = Batcher(self._claim_batch)
         self._reports: Batcher[_StagedReport, RecordOutcome] = Batcher(self._report_batch)
         self._seen: set[str] = set()
@@ -408,7 +411,11 @@ class DeviceProtocol:
         """Validates and durably records a device's result; OK only once it is stored."""
         assignment = await self._held_assignment(device, report.job_id, report.task_id, report.cookie)
         task = await self._store.get_task(assignment.task_id)
-        payload_sha, inline = await self._stage_payload(task, report)
+        try:
+            payload_sha, inline = await self._stage_payload(task, report)
+        except InvalidArgument:
+            self._on_outcome("rejected")
+            raise
         # Identifies the report's content, so a retry without its request_id is still "the same".
         digest = hashlib.sha256(
             json.dumps([report.status.value, payload_sha, report.error_message]).encode()
@@ -428,6 +435,10 @@ class DeviceProtocol:
             )
         )
         next_cookie = self._signer.sign(Cookie(device_id=device.device_id, job_id=report.job_id))
+        if not outcome.duplicate:
+            stale = outcome.outcome is ReportOutcome.STALE
+            failed = report.status is ResultStatus.FAILED
+            self._on_outcome("stale" if stale else "failed" if failed else "accepted")
         if outcome.outcome is ReportOutcome.STALE:
             job = await self._store.get_job(report.job_id)
             status = DeviceStatus.DONE if job.state in _FINAL_JOB_STATES else DeviceStatus.STALE

@@ -387,6 +387,14 @@ class StateStore(Protocol):
         """Close every OPEN task of a round of one name; return how many closed."""
         ...
 
+    async def count_devices_by_state(self) -> dict[DeviceState, int]:
+        """Return the number of devices in each state (states with none are left out)."""
+        ...
+
+    async def count_jobs_by_state(self) -> dict[JobState, int]:
+        """Return the number of jobs in each state (states with none are left out)."""
+        ...
+
     # ---- results ----
     async def record_results(
         self, reports: Sequence[ResultReport], now: datetime

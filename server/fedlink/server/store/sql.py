@@ -25,6 +25,7 @@ from fedlink.server.store.migrate import ensure_schema
 from fedlink.server.store.results import ResultQueries
 from fedlink.server.store.rounds import RoundQueries
 from fedlink.server.store.schema import idempotency_records, signing_keys
+from fedlink.server.store.stats import StatsQueries
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ _COOKIE_KEY_ID = "cookie"
 SIGNING_KEY_BYTES = 32
 
 
-class SqlStateStore(DeviceQueries, JobQueries, ClaimQueries, ResultQueries, RoundQueries):
+class SqlStateStore(DeviceQueries, JobQueries, ClaimQueries, ResultQueries, RoundQueries, StatsQueries):
     """The :class:`~fedlink.server.store.protocol.StateStore` on SQLAlchemy (SQLite or PostgreSQL)."""
 
     def __init__(self, database: Database, clock: Clock, blob_store: SqlBlobStore) -> None:
