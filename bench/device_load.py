@@ -281,10 +281,10 @@ async def run_idle(spec: LoadSpec) -> dict[str, Any]:
             try:
                 reply = await timings.call("GetTask", device.get_task(spec.job_id, b"", spec.wait_s), _status)
             except grpc.aio.AioRpcError:
+                in_flight -= 1  # not waiting while it backs off
                 await asyncio.sleep(1.0)  # counted in timings.errors; the parent fails the run on any
                 continue
-            finally:
-                in_flight -= 1
+            in_flight -= 1
             if reply.status == _OK:
                 handed_out += 1  # not expected: the job has no free slot
                 all_waiting.set()  # the parent sees it in the result; do not wait forever
