@@ -11,6 +11,7 @@ import pytest
 
 from fedlink.common.errors import Conflict, NotFound, PermissionDenied, Unauthenticated
 from fedlink.server.api.rpc import Call, Principal, method_handlers
+from fedlink.server.logs import bound_fields
 from fedlink.v1 import runner_service_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["RunnerService"]
@@ -21,9 +22,11 @@ class _Impl:
 
     def __init__(self) -> None:
         self.calls: list[Call] = []
+        self.log_fields: list[dict[str, object]] = []
 
     async def GetJob(self, request: pb.GetJobRequest, call: Call) -> pb.GetJobResponse:
         self.calls.append(call)
+        self.log_fields.append(dict(bound_fields()))
         if request.job_name == "missing":
             raise NotFound("job 'missing' does not exist")
         if request.job_name == "conflict":
@@ -132,7 +135,7 @@ async def test_errors_map_to_precise_codes(
 
 
 async def test_identity_comes_from_the_credential(server: tuple[str, _Impl, _Observer]) -> None:
-    address, _, observer = server
+    address, impl, observer = server
     async with grpc.aio.insecure_channel(address) as channel:
         stub = channel.unary_unary(
             "/fedlink.v1.RunnerService/GetJob",
@@ -143,6 +146,7 @@ async def test_identity_comes_from_the_credential(server: tuple[str, _Impl, _Obs
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub(pb.GetJobRequest(job_name="ok"))
     assert reply.job_name == "dev-7"
+    assert impl.log_fields[0]["device_id"] == "dev-7"  # log lines of the call carry the caller
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert await _observed(observer, 2) == [
         ("GetJob", grpc.StatusCode.OK),

@@ -23,8 +23,12 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from fedlink.common.errors import FedlinkError, InvalidArgument
 from fedlink.server.api.errors import status_code_for
 from fedlink.server.domain import Device
+from fedlink.server.logs import bind_task
 
 log = logging.getLogger(__name__)
+
+#: Request fields that identify what a call is about; bound to its log lines.
+_LOGGED_FIELDS = ("job_id", "task_id", "device_id")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +120,11 @@ class _Guard:
                 f"{self.method}: the request is not a valid protobuf message ({request.error})",
             )
         principal = await self.authenticate(bearer_token(context), self.method)
+        # Every log line of this call carries who and what it is about (the call runs in its own task).
+        fields = {name: getattr(request, name, "") for name in _LOGGED_FIELDS}
+        if principal.device_id:
+            fields["device_id"] = principal.device_id
+        bind_task(**{name: value for name, value in fields.items() if value})
         return Call(principal, context, self.method)
 
     def resolve(
