@@ -404,6 +404,7 @@ async def runner_upload(cfg: Config, workdir: Path, repeat: int, model: ModelFil
         def before_report() -> None:
             # Peaks from here on belong to the report: the task's download is over.
             marks["coordinator_rss_before"] = proc_stats.memory_use(pid).rss_bytes
+            marks["runner_rss_before"] = proc_stats.memory_use(os.getpid()).rss_bytes
             proc_stats.reset_peak(pid)
             proc_stats.reset_peak(os.getpid())
 
@@ -416,16 +417,22 @@ async def runner_upload(cfg: Config, workdir: Path, repeat: int, model: ModelFil
     recorded, hashed = await _stored_result(coord.data_dir, coord.job_id)
     [times] = [t for t in probe.tasks.values() if t.report_end] or [TaskTimes("")]
     report_s = times.report_end - times.report_start
+    upload_s = times.upload_end - times.upload_start
     return {
         "update_bytes": size,
         "report_s": round(report_s, 3),
         "report_mb_per_s": round(size / MB / report_s, 1) if report_s > 0 else 0.0,
-        "upload_blob_s": round(times.upload_s, 3),
-        "upload_blob_mb_per_s": round(size / MB / times.upload_s, 1) if times.upload_s > 0 else 0.0,
+        "upload_blob_s": round(upload_s, 3),
+        "upload_blob_mb_per_s": round(size / MB / upload_s, 1) if upload_s > 0 else 0.0,
         "pending_write_s": round(times.pending_put_s, 3),
-        "report_rest_s": round(report_s - times.upload_s - times.pending_put_s, 3),
+        # Encoding (to_proto, two serializations, copies) and the pending write, before the upload.
+        "before_upload_s": round(times.upload_start - times.report_start, 3),
+        # The request copied with a blob ref, then ReportResult (the coordinator reads, parses and
+        # validates the whole blob before it answers).
+        "after_upload_s": round(times.report_end - times.upload_end, 3),
         "coordinator_rss_before_mib": round(marks.get("coordinator_rss_before", 0) / MiB, 1),
         "coordinator_peak_rss_mib": round(marks.get("coordinator_peak", 0) / MiB, 1),
+        "runner_process_rss_before_mib": round(marks.get("runner_rss_before", 0) / MiB, 1),
         "runner_process_peak_rss_mib": round(marks.get("runner_peak", 0) / MiB, 1),
         "job": asdict(outcome),
         "checks": {
@@ -558,10 +565,11 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"upload {i}: {up['update_bytes'] / MB:,.0f} MB report in {up['report_s']} s = "
             f"{up['report_mb_per_s']:,.1f} MB/s (blob upload {up['upload_blob_s']} s = "
-            f"{up['upload_blob_mb_per_s']:,.1f} MB/s, pending write {up['pending_write_s']} s, "
-            f"rest {up['report_rest_s']} s); coordinator RSS {up['coordinator_rss_before_mib']:,.0f} → "
-            f"peak {up['coordinator_peak_rss_mib']:,.0f} MiB; "
-            f"runner process peak {up['runner_process_peak_rss_mib']:,.0f} MiB"
+            f"{up['upload_blob_mb_per_s']:,.1f} MB/s; before it {up['before_upload_s']} s incl. pending "
+            f"write {up['pending_write_s']} s; after it {up['after_upload_s']} s)\n"
+            f"    coordinator RSS {up['coordinator_rss_before_mib']:,.0f} → peak "
+            f"{up['coordinator_peak_rss_mib']:,.0f} MiB; runner process RSS "
+            f"{up['runner_process_rss_before_mib']:,.0f} → peak {up['runner_process_peak_rss_mib']:,.0f} MiB"
         )
     raw = u["raw"]
     lines.append(

@@ -46,8 +46,9 @@ class TaskTimes:
     report_end: float = 0.0
     #: Seconds spent writing the result to the pending directory (write + fsync + rename + fsync).
     pending_put_s: float = 0.0
-    #: Seconds in ``upload_blob`` (hash + GetBlobUploadStatus + UploadBlob); 0 for inline results.
-    upload_s: float = 0.0
+    #: ``upload_blob`` (hash + GetBlobUploadStatus + UploadBlob) began and returned; 0.0 if inline.
+    upload_start: float = 0.0
+    upload_end: float = 0.0
     uploaded_bytes: int = 0
     #: The sha256 the coordinator answered for the uploaded blob.
     uploaded_sha256: str = ""
@@ -139,7 +140,7 @@ class TimedGrpcTransport(GrpcTransport):
         start = time.perf_counter()
         sha = await super().upload_blob(data)
         if self._current is not None:
-            self._current.upload_s = time.perf_counter() - start
+            self._current.upload_start, self._current.upload_end = start, time.perf_counter()
             self._current.uploaded_bytes = len(data)
             self._current.uploaded_sha256 = sha
         return sha
