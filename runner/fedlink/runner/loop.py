@@ -11,7 +11,9 @@ One state machine (the statuses are the proto's ``RunnerStatus``)::
 * GetJob's DONE (or ``job_timeout`` spent without getting a job) ends the session: :meth:`Runner.run`
   returns. GetTask's and ReportResult's DONE end the *job*; GetJob then offers the next one (or says
   DONE, or nothing until the timeout).
-* TASK, in a worker thread (executors are synchronous numpy code): a new :class:`Context` per task
+* TASK, handed to the runner's :class:`TaskWorker` as a :class:`TaskWork` (executors are synchronous
+  numpy code; the default worker runs it on the event loop's default executor, a simulation gives its
+  own pool, or a worker that runs it elsewhere): a new :class:`Context` per task
   (runner, data source, components, handlers, task id/name/data, executor, partition) → app in-filters
   then job in-filters → ``BEFORE_TRAIN`` → executor → ``AFTER_TRAIN`` → app out-filters then job
   out-filters. Meanwhile the event loop renews the lease every third of its length.
@@ -26,13 +28,15 @@ One state machine (the statuses are the proto's ``RunnerStatus``)::
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Final, TypeVar
+from typing import Final, Protocol, TypeVar, runtime_checkable
 
 from fedlink.common.dxo import DXO
 from fedlink.common.errors import FedlinkError, InvalidArgument
@@ -42,7 +46,7 @@ from fedlink.runner.spec import DataSource, Filter
 from fedlink.runner.transport.backoff import Backoff
 from fedlink.runner.transport.base import ResultReport, Status, TaskOffer, Transport
 
-__all__ = ["Runner", "TaskRecord"]
+__all__ = ["ExecutorWorker", "Runner", "TaskRecord", "TaskWork", "TaskWorker", "execute_task", "job_context"]
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -69,10 +73,70 @@ class TaskRecord:
     error: str = ""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskWork:
+    """One task's work as a :class:`Runner` hands it to its :class:`TaskWorker`.
+
+    :meth:`run_here` runs it in the calling thread with the Runner's own components and context. A
+    worker in another process (the simulation's Ray backend) cannot take those along: it builds the
+    components from ``job_data`` and calls :func:`execute_task` with ``task_data``, ``partition`` and
+    the app filters instead.
+    """
+
+    job_id: str
+    #: The job's runner configuration (JSON), as GetJob gave it.
+    job_data: str
+    task_id: str
+    task_name: str
+    task_data: DXO | None = field(repr=False)
+    #: ``(partition_id, num_partitions)`` of the device, when it has one.
+    partition: tuple[int, int] | None
+    #: The app's filters (they run before the job's).
+    app_in_filters: tuple[Filter, ...] = ()
+    app_out_filters: tuple[Filter, ...] = ()
+    #: Triggered when the task must stop (the runner stops, or the lease is lost).
+    signal: Signal = field(repr=False, compare=False)
+    _run_here: Callable[[], DXO] = field(repr=False, compare=False)
+
+    def run_here(self) -> DXO:
+        """Runs filters in, executor, filters out in this thread; returns the output DXO.
+
+        Raises:
+            Aborted: the signal was triggered.
+            Exception: whatever the job config, a filter or the executor raised.
+        """
+        return self._run_here()
+
+
+@runtime_checkable
+class TaskWorker(Protocol):
+    """Where a Runner's task work runs (it is synchronous code: it must not block the event loop)."""
+
+    async def run(self, work: TaskWork) -> DXO:
+        """Runs ``work``; returns its output DXO or raises what the work raised."""
+        ...
+
+
+class ExecutorWorker:
+    """A :class:`TaskWorker` running the work on a :class:`concurrent.futures.Executor`.
+
+    ``None`` is the event loop's default executor (as ``asyncio.to_thread``).
+    """
+
+    def __init__(self, executor: concurrent.futures.Executor | None = None) -> None:
+        self.executor = executor
+
+    async def run(self, work: TaskWork) -> DXO:
+        """Runs ``work.run_here`` on the executor (with the caller's context variables)."""
+        call = contextvars.copy_context().run
+        return await asyncio.get_running_loop().run_in_executor(self.executor, call, work.run_here)
+
+
 @dataclass(slots=True)
 class _Job:
     job_id: str
     name: str
+    job_data: str
     config: JobConfig | None
     config_error: str
     ctx: Context
@@ -101,6 +165,7 @@ class Runner:
         partition_id: int | None = None,
         num_partitions: int | None = None,
         backoff: Backoff | None = None,
+        worker: TaskWorker | concurrent.futures.Executor | None = None,
     ) -> None:
         """Creates a runner.
 
@@ -118,6 +183,9 @@ class Runner:
             partition_id: This device's data partition, put in the context when given.
             num_partitions: How many partitions there are (with ``partition_id``).
             backoff: Waits when the coordinator has nothing and did not say how long to wait.
+            worker: Where task work (filters and executor) runs: a :class:`TaskWorker`, or an
+                executor (wrapped in :class:`ExecutorWorker`); default: the event loop's default
+                executor.
         """
         seconds = job_timeout.total_seconds() if isinstance(job_timeout, timedelta) else float(job_timeout)
         if not seconds > 0:
@@ -133,8 +201,15 @@ class Runner:
         self.app_out_filters = tuple(out_filters or ())
         self.resolver_registry = resolver_registry
         self.transport = transport
-        self.partition = None if partition_id is None else (partition_id, num_partitions)
+        self.partition: tuple[int, int] | None = None
+        if partition_id is not None and num_partitions is not None:
+            self.partition = (partition_id, num_partitions)
         self.backoff = backoff or Backoff(base=timedelta(seconds=1), cap=timedelta(seconds=30))
+        if worker is None or isinstance(worker, concurrent.futures.Executor):
+            worker = ExecutorWorker(worker)
+        elif not isinstance(worker, TaskWorker):
+            raise InvalidArgument(f"worker must be a TaskWorker or an Executor, not {type(worker).__name__}")
+        self.worker: TaskWorker = worker
         #: Triggered by :meth:`stop` (after the grace period); executors and filters see it.
         self.abort_signal = Signal()
         #: Every task this runner finished, oldest first.
@@ -263,11 +338,6 @@ class Runner:
             await self._sleep(min(wait, remaining))
 
     def _start_job(self, job_id: str, name: str, job_data: str) -> _Job:
-        ctx = Context()
-        ctx[ContextKey.RUNNER] = self
-        ctx[ContextKey.DATA_SOURCE] = self.data_source
-        if self.partition is not None:
-            ctx[ContextKey.PARTITION_ID], ctx[ContextKey.NUM_PARTITIONS] = self.partition
         config: JobConfig | None = None
         error = ""
         try:
@@ -276,11 +346,9 @@ class Runner:
             # Every task of this job will be reported as failed with this message.
             error = f"job config: {type(exc).__name__}: {exc}"
             _log.error("the job's config is invalid", extra={"job_id": job_id, "error": error})
-        if config is not None:
-            ctx[ContextKey.COMPONENTS] = dict(config.components)
-            ctx[ContextKey.EVENT_HANDLERS] = list(config.handlers)
+        ctx = job_context(config, self.data_source, self.partition, runner=self)
         _log.info("job started", extra={"job_id": job_id, "job_name": name})
-        return _Job(job_id=job_id, name=name, config=config, config_error=error, ctx=ctx)
+        return _Job(job_id=job_id, name=name, job_data=job_data, config=config, config_error=error, ctx=ctx)
 
     async def _do_job(self, job: _Job) -> None:
         """GET_TASK / TASK / REPORT until the job has nothing more for this device."""
@@ -315,7 +383,7 @@ class Runner:
         try:
             # Not guarded by stop(): the executor runs on until the abort signal (stop after the grace
             # period, or a lost lease) ends it, so a finished result is never thrown away.
-            outcome = await asyncio.to_thread(self._process, job, offer, signal)
+            outcome = await self._process(job, offer, signal)
         finally:
             renewer.cancel()
             self._task_signal = None
@@ -401,10 +469,22 @@ class Runner:
                 return
             expires = reply.lease_expires_at
 
-    def _process(self, job: _Job, offer: TaskOffer, signal: Signal) -> tuple[DXO, str] | str | Aborted:
-        """TASK, in a worker thread: the result and "", or the failure message, or Aborted."""
+    async def _process(self, job: _Job, offer: TaskOffer, signal: Signal) -> tuple[DXO, str] | str | Aborted:
+        """TASK, on the worker: the result and "", or the failure message, or Aborted."""
+        work = TaskWork(
+            job_id=job.job_id,
+            job_data=job.job_data,
+            task_id=offer.task_id,
+            task_name=offer.task_name,
+            task_data=offer.task_data,
+            partition=self.partition,
+            app_in_filters=self.app_in_filters,
+            app_out_filters=self.app_out_filters,
+            signal=signal,
+            _run_here=lambda: self._execute(job, offer, signal),
+        )
         try:
-            return self._execute(job, offer, signal), ""
+            return _as_dxo(await self.worker.run(work), f"worker {type(self.worker).__name__}"), ""
         except Aborted as exc:
             return exc
         except Exception as exc:  # any bug in user code becomes a failed result, never a dead daemon
@@ -413,25 +493,75 @@ class Runner:
     def _execute(self, job: _Job, offer: TaskOffer, signal: Signal) -> DXO:
         if job.config is None:
             raise InvalidArgument(job.config_error)
-        if offer.task_data is None:
-            raise InvalidArgument(f"task {offer.task_name!r} came without input data")
-        executor = job.config.executor_for(offer.task_name)
-        ctx = job.ctx.copy()
-        ctx[ContextKey.TASK_ID] = offer.task_id
-        ctx[ContextKey.TASK_NAME] = offer.task_name
-        ctx[ContextKey.TASK_DATA] = offer.task_data
-        ctx[ContextKey.EXECUTOR] = executor
-        signal.check()
-        dxo = _apply(offer.task_data, [*self.app_in_filters, *job.config.in_filters], "in", ctx, signal)
-        signal.check()
-        ctx.fire_event(EventType.BEFORE_TRAIN, time.time())
-        output = _as_dxo(executor.execute(dxo, ctx, signal), f"executor {type(executor).__name__}")
-        signal.check()
-        ctx.fire_event(EventType.AFTER_TRAIN, (time.time(), output))
-        output = _apply(output, [*self.app_out_filters, *job.config.out_filters], "out", ctx, signal)
-        signal.check()
-        output.validate()
-        return output
+        return execute_task(
+            job.config,
+            job.ctx,
+            task_id=offer.task_id,
+            task_name=offer.task_name,
+            task_data=offer.task_data,
+            app_in_filters=self.app_in_filters,
+            app_out_filters=self.app_out_filters,
+            signal=signal,
+        )
+
+
+def job_context(
+    config: JobConfig | None,
+    data_source: DataSource | None,
+    partition: tuple[int, int] | None,
+    *,
+    runner: Runner | None = None,
+) -> Context:
+    """The context every task of a job starts from (runner, data source, partition, components)."""
+    ctx = Context()
+    ctx[ContextKey.RUNNER] = runner
+    ctx[ContextKey.DATA_SOURCE] = data_source
+    if partition is not None:
+        ctx[ContextKey.PARTITION_ID], ctx[ContextKey.NUM_PARTITIONS] = partition
+    if config is not None:
+        ctx[ContextKey.COMPONENTS] = dict(config.components)
+        ctx[ContextKey.EVENT_HANDLERS] = list(config.handlers)
+    return ctx
+
+
+def execute_task(
+    config: JobConfig,
+    job_ctx: Context,
+    *,
+    task_id: str,
+    task_name: str,
+    task_data: DXO | None,
+    app_in_filters: Sequence[Filter],
+    app_out_filters: Sequence[Filter],
+    signal: Signal,
+) -> DXO:
+    """One task: app then job in-filters → ``BEFORE_TRAIN`` → executor → ``AFTER_TRAIN`` → out-filters.
+
+    Runs in the calling thread, on a copy of ``job_ctx`` (see :func:`job_context`).
+
+    Raises:
+        Aborted: ``signal`` was triggered (checked between every step).
+        InvalidArgument: no input data, no executor for the task, or a step returned no valid DXO.
+    """
+    if task_data is None:
+        raise InvalidArgument(f"task {task_name!r} came without input data")
+    executor = config.executor_for(task_name)
+    ctx = job_ctx.copy()
+    ctx[ContextKey.TASK_ID] = task_id
+    ctx[ContextKey.TASK_NAME] = task_name
+    ctx[ContextKey.TASK_DATA] = task_data
+    ctx[ContextKey.EXECUTOR] = executor
+    signal.check()
+    dxo = _apply(task_data, [*app_in_filters, *config.in_filters], "in", ctx, signal)
+    signal.check()
+    ctx.fire_event(EventType.BEFORE_TRAIN, time.time())
+    output = _as_dxo(executor.execute(dxo, ctx, signal), f"executor {type(executor).__name__}")
+    signal.check()
+    ctx.fire_event(EventType.AFTER_TRAIN, (time.time(), output))
+    output = _apply(output, [*app_out_filters, *config.out_filters], "out", ctx, signal)
+    signal.check()
+    output.validate()
+    return output
 
 
 def _apply(dxo: DXO, filters: Sequence[Filter], kind: str, ctx: Context, signal: Signal) -> DXO:

@@ -9,6 +9,7 @@ from fedlink.simulation.backends import BACKENDS, ExecutorPool, LocalConfig, Loc
 from fedlink.simulation.heterogeneity import DeviceRound, Heterogeneity
 from fedlink.simulation.job import SimulationJob
 from fedlink.simulation.progress import MetricsFile, ProgressLine, ProgressSink
+from fedlink.simulation.ray_backend import RayConfig
 from fedlink.simulation.result import Failure, RoundRecord, SimulationError, SimulationResult
 from fedlink.simulation.transport import InProcessTransport
 
@@ -24,6 +25,7 @@ __all__ = [
     "MetricsFile",
     "ProgressLine",
     "ProgressSink",
+    "RayConfig",
     "RoundRecord",
     "SimulationError",
     "SimulationJob",

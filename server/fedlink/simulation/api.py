@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fedlink.runner.spec import DataSource
-from fedlink.simulation.backends import create_pool
+from fedlink.simulation.backends import check_backend, create_pool
 from fedlink.simulation.engine import Plan, RunnerArg, make_plan, simulate
 from fedlink.simulation.heterogeneity import Heterogeneity
 from fedlink.simulation.job import SimulationJob
@@ -109,11 +109,12 @@ def _prepare(
     metrics_jsonl: str | Path | None,
     timeout: float | None,
     share_components: bool,
+    transport: str,
 ) -> Callable[[], Coroutine[Any, Any, SimulationResult]]:
     """Checks everything that can be checked before a loop or a thread exists; returns the run."""
     if isinstance(job, str | Path):
         job = SimulationJob.from_file(job)
-    create_pool(backend, backend_config).close()  # checks the backend and its config now
+    backend_spec = check_backend(backend, backend_config)  # checked now; the pool starts in the run
     sinks: list[ProgressSink] = []
     plan: Plan = make_plan(
         job,
@@ -127,6 +128,7 @@ def _prepare(
         timeout=timeout,
         share_components=share_components,
         sinks=sinks,
+        transport=transport,
     )
     if progress is True:
         sinks.append(ProgressLine(plan.job.params.num_rounds, num_devices))
@@ -137,7 +139,7 @@ def _prepare(
     plan = _with_sinks(plan, sinks)
 
     async def run() -> SimulationResult:
-        pool = create_pool(backend, backend_config)
+        pool = create_pool(backend_spec, registry=plan.registry, data=plan.data)
         try:
             return await simulate(plan, pool)
         finally:
@@ -168,6 +170,7 @@ def run_simulation(
     metrics_jsonl: str | Path | None = None,
     timeout: float | None = None,
     share_components: bool = True,
+    transport: str = "inprocess",
 ) -> SimulationResult:
     """Runs ``job`` on ``num_devices`` virtual devices with the real coordinator and Runner code.
 
@@ -178,9 +181,11 @@ def run_simulation(
         runner: The runner configuration: ``job_data`` (a mapping or JSON text, replacing the job's),
             a ``ResolverRegistry`` of app component types for the job's ``job_data``, or an
             ``Executor`` that every device runs (then the job must have no ``job_data``).
-        backend: ``"local"`` (asyncio in this process, tasks on a thread pool).
+        backend: ``"local"`` (asyncio in this process, tasks on a thread pool) or ``"ray"`` (tasks on
+            a pool of Ray actors; needs ``fedlink[ray]``; see :mod:`fedlink.simulation.ray_backend`).
         backend_config: The backend's settings, e.g. ``{"num_cpus": 2, "client_resources":
-            {"num_cpus": 1}}``; unknown keys are an error listing the valid ones.
+            {"num_cpus": 1}}``, or for Ray also ``address`` and ``actor_count``; unknown keys are an
+            error listing the valid ones.
         seed: Replaces the job's FedAvg sampling seed; also seeds the heterogeneity draws (which use
             the job's seed when this is None).
         data: The data source every device's Runner gets (wrap it in ``PartitionedDataSource`` to give
@@ -195,6 +200,8 @@ def run_simulation(
             run to its round timeout with every retry).
         share_components: Build each job component once and share it among devices (see
             :mod:`fedlink.simulation.components`); False builds them per device.
+        transport: ``"inprocess"`` (default) or ``"grpc"``: the real gRPC server on loopback and a
+            gRPC transport per device, to exercise the wire path (see :mod:`fedlink.simulation.engine`).
 
     Returns:
         The final model, per-round metrics and timings, participation and failures.
@@ -220,6 +227,7 @@ def run_simulation(
         metrics_jsonl=metrics_jsonl,
         timeout=timeout,
         share_components=share_components,
+        transport=transport,
     )
     try:
         asyncio.get_running_loop()
@@ -247,6 +255,7 @@ async def run_simulation_async(
     metrics_jsonl: str | Path | None = None,
     timeout: float | None = None,  # noqa: ASYNC109 - bounds the simulation's own loop, in its thread
     share_components: bool = True,
+    transport: str = "inprocess",
 ) -> SimulationResult:
     """:func:`run_simulation` for async code: awaits the simulation (run on its own loop and thread).
 
@@ -267,6 +276,7 @@ async def run_simulation_async(
         metrics_jsonl=metrics_jsonl,
         timeout=timeout,
         share_components=share_components,
+        transport=transport,
     )
     thread = _Thread(make)
     try:

@@ -1,9 +1,9 @@
 """Where a simulation's executors and filters run: the backend seam, and the ``local`` backend.
 
 A backend is an :class:`ExecutorPool`: the virtual devices' Runners hand their task work (filters in,
-executor, filters out) to its :attr:`~ExecutorPool.executor`. Everything else — the coordinator
-core, the store, the Runner loops and the in-process transport — is the same whatever the backend,
-so a distributed backend (Ray) only has to provide another pool.
+executor, filters out) to its :attr:`~ExecutorPool.worker` (the Runner's ``worker=`` seam).
+Everything else — the coordinator core, the store, the Runner loops and the transport — is the same
+whatever the backend. ``ray`` (:mod:`fedlink.simulation.ray_backend`) runs the work on Ray actors.
 
 ``backend_config`` of the ``local`` backend (unknown keys are an error that lists these):
 
@@ -18,21 +18,23 @@ key                             meaning
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Final, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Final
 
 from fedlink.common.errors import InvalidArgument
+from fedlink.runner.config import ResolverRegistry
+from fedlink.runner.loop import ExecutorWorker, TaskWorker
+from fedlink.runner.spec import DataSource
 
-__all__ = ["BACKENDS", "ExecutorPool", "LocalConfig", "LocalPool", "TaskRouter", "create_pool"]
+if TYPE_CHECKING:
+    from fedlink.simulation.ray_backend import RayConfig
 
-_P = ParamSpec("_P")
-_T = TypeVar("_T")
+__all__ = ["BACKENDS", "ExecutorPool", "LocalConfig", "LocalPool", "check_backend", "create_pool"]
 
 _LOCAL_KEYS: Final = ("num_cpus", "client_resources")
 _CLIENT_KEYS: Final = ("num_cpus",)
@@ -43,8 +45,8 @@ class ExecutorPool(ABC):
 
     @property
     @abstractmethod
-    def executor(self) -> Executor:
-        """Where the Runners' worker-thread calls go."""
+    def worker(self) -> TaskWorker:
+        """What every Runner of the simulation is given as ``worker=``."""
 
     @property
     @abstractmethod
@@ -115,11 +117,12 @@ class LocalPool(ExecutorPool):
     def __init__(self, config: LocalConfig) -> None:
         self._size = config.workers
         self._pool = ThreadPoolExecutor(max_workers=self._size, thread_name_prefix="fedlink-sim")
+        self._worker = ExecutorWorker(self._pool)
 
     @property
-    def executor(self) -> Executor:
-        """The thread pool."""
-        return self._pool
+    def worker(self) -> TaskWorker:
+        """Runs task work on the thread pool."""
+        return self._worker
 
     @property
     def size(self) -> int:
@@ -131,51 +134,41 @@ class LocalPool(ExecutorPool):
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-class TaskRouter(Executor):
-    """The simulation loop's default executor: Runner task work to the pool, anything else to I/O threads.
-
-    The Runner hands its task work to ``asyncio.to_thread`` (the loop's default executor), and so does
-    the store for blob file I/O. Sharing one bounded pool would queue every store read and write behind
-    the devices' training, so calls are routed: a bound method of a
-    :class:`~fedlink.runner.loop.Runner` (as ``to_thread`` wraps it) goes to ``pool``, the rest to a
-    small I/O pool. (A ``worker`` executor parameter on the Runner would make this explicit.)
-    """
-
-    def __init__(self, pool: ExecutorPool, *, io_threads: int = 4) -> None:
-        from fedlink.runner.loop import Runner
-
-        self._runner_type = Runner
-        self._pool = pool
-        self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="fedlink-sim-io")
-
-    def _is_task_work(self, fn: Callable[..., Any]) -> bool:
-        target: object = fn
-        if isinstance(fn, functools.partial) and fn.args:  # to_thread: partial(context.run, func, ...)
-            target = fn.args[0]
-        return isinstance(getattr(target, "__self__", None), self._runner_type)
-
-    def submit(self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> Future[_T]:
-        """Runs ``fn`` on the task pool or the I/O pool (see the class docstring)."""
-        executor = self._pool.executor if self._is_task_work(fn) else self._io
-        return executor.submit(fn, *args, **kwargs)
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Shuts the I/O threads down (the pool is closed by its owner)."""
-        self._io.shutdown(wait=wait, cancel_futures=cancel_futures)
+#: The backends, by name (``ray`` needs the ``fedlink[ray]`` extra).
+BACKENDS: Final = ("local", "ray")
 
 
-#: The backends this installation has, by name.
-BACKENDS: Final = ("local",)
-
-
-def create_pool(backend: str, config: Mapping[str, object] | None) -> ExecutorPool:
-    """The executor pool of ``backend`` configured by ``config``.
+def check_backend(backend: str, config: Mapping[str, object] | None) -> LocalConfig | RayConfig:
+    """Checks ``backend`` and its ``config`` without starting anything.
 
     Raises:
         InvalidArgument: an unknown backend, or a bad ``config`` (unknown keys included).
     """
     if backend == "local":
-        return LocalPool(LocalConfig.parse(config))
+        return LocalConfig.parse(config)
     if backend == "ray":
-        raise InvalidArgument("the ray backend is not available yet; use backend='local'")
+        from fedlink.simulation.ray_backend import RayConfig
+
+        return RayConfig.parse(config)
     raise InvalidArgument(f"unknown simulation backend {backend!r}; available: {', '.join(BACKENDS)}")
+
+
+def create_pool(
+    config: LocalConfig | RayConfig, *, registry: ResolverRegistry | None, data: DataSource | None
+) -> ExecutorPool:
+    """Starts the pool ``config`` describes.
+
+    Args:
+        config: From :func:`check_backend`.
+        registry: The app's component types (a pool in other processes builds the job's components).
+        data: The devices' data source (likewise).
+
+    Raises:
+        Unavailable: the Ray backend could not start or join its cluster.
+        FailedPrecondition: the Ray backend was asked for, but Ray is not installed.
+    """
+    if isinstance(config, LocalConfig):
+        return LocalPool(config)
+    from fedlink.simulation.ray_backend import RayPool
+
+    return RayPool(config, registry=registry, data=data)

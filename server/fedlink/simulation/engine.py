@@ -2,9 +2,18 @@
 
 The order of a run: open a coordinator core on an in-memory (or file) SQLite store; enrol the N
 virtual devices; submit the job exactly as an operator would (initial model as a blob, then
-``submit_job``); start one Runner per device over the in-process transport, its task work sent to
-the backend's pool; follow the job's events until it is final; collect the result from the store;
-stop the Runners and the core. Nothing of the workflow, the store or the Runner is re-implemented.
+``submit_job``); start one Runner per device over the in-process transport, its task work given to
+the backend's pool (the Runner's ``worker=``); follow the job's events until it is final; collect the
+result from the store; stop the Runners and the core. Nothing of the workflow, the store or the
+Runner is re-implemented.
+
+With ``transport="grpc"`` the core is the real :class:`~fedlink.server.app.Coordinator`, serving
+plaintext gRPC on ``127.0.0.1:0``, and every device's Runner uses a
+:class:`~fedlink.runner.transport.grpc_transport.GrpcTransport` (state directory per device in the
+run's temporary directory), so every GetJob, GetTask, ReportResult and blob transfer goes over the
+wire. The devices are enrolled in the store beforehand (their identity files are written for them),
+so that their ids — and with them sampling and aggregation order — are those of an in-process run.
+Heterogeneity needs the in-process transport, and the live device counts stay zero over gRPC.
 """
 
 from __future__ import annotations
@@ -27,12 +36,16 @@ from fedlink.runner.config import ResolverRegistry
 from fedlink.runner.loop import Runner
 from fedlink.runner.spec import DataSource, Executor
 from fedlink.runner.transport.backoff import Backoff
+from fedlink.runner.transport.base import Transport
+from fedlink.runner.transport.grpc_transport import GrpcTransport, GrpcTransportConfig
+from fedlink.runner.transport.state import Identity, StateDir
+from fedlink.server.app import Coordinator
 from fedlink.server.core import CoordinatorCore
 from fedlink.server.domain import JobEvent, JobState, ResultStatus
 from fedlink.server.protocol.control import JobSubmission
 from fedlink.server.protocol.events import JOB_STATE_CHANGED
 from fedlink.server.settings import CoordinatorSettings
-from fedlink.simulation.backends import ExecutorPool, TaskRouter
+from fedlink.simulation.backends import ExecutorPool
 from fedlink.simulation.components import shared_registry
 from fedlink.simulation.heterogeneity import Heterogeneity
 from fedlink.simulation.job import SimulationJob
@@ -55,6 +68,8 @@ _TICK_S = 0.25
 _SUPERVISOR_LOGGER = "fedlink.server.services.supervisor"
 
 RunnerArg = Mapping[str, Any] | str | ResolverRegistry | Executor | None
+#: How the virtual devices reach the coordinator.
+TRANSPORTS = ("inprocess", "grpc")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,6 +88,8 @@ class Plan:
     #: new SQLite file to inspect later.
     store: str | Path
     timeout_s: float
+    #: "inprocess" or "grpc" (see the module docstring).
+    transport: str = "inprocess"
     sinks: Sequence[ProgressSink] = field(default=())
 
 
@@ -89,6 +106,7 @@ def make_plan(
     timeout: float | None,
     share_components: bool,
     sinks: Sequence[ProgressSink],
+    transport: str = "inprocess",
 ) -> Plan:
     """Checks the arguments of a simulation and resolves ``runner=`` into job_data and a registry.
 
@@ -133,6 +151,10 @@ def make_plan(
     if not (isinstance(timeout, int | float) and timeout > 0):
         raise InvalidArgument(f"timeout must be a positive number of seconds, not {timeout!r}")
     hetero = heterogeneity or Heterogeneity()
+    if transport not in TRANSPORTS:
+        raise InvalidArgument(f"unknown transport {transport!r}; available: {', '.join(TRANSPORTS)}")
+    if transport == "grpc" and hetero != Heterogeneity():
+        raise InvalidArgument("heterogeneity needs transport='inprocess' (it is applied by that transport)")
     return Plan(
         job=job,
         num_devices=num_devices,
@@ -144,6 +166,7 @@ def make_plan(
         seed=params.seed,
         store=store,
         timeout_s=float(timeout),
+        transport=transport,
         sinks=tuple(sinks),
     )
 
@@ -174,50 +197,95 @@ def _settings(plan: Plan, workdir: Path) -> CoordinatorSettings:
     else:
         path = Path(plan.store).resolve()
         url, blob_dir = f"sqlite+aiosqlite:///{path}", Path(f"{path}.blobs")
+    common: dict[str, Any] = {
+        "data_dir": workdir,
+        "db_url": url,
+        "blob_dir": blob_dir,
+        "max_task_wait": _TASK_WAIT,
+        "default_task_wait": _TASK_WAIT,
+        "reaper_interval": timedelta(seconds=0.5),
+        "auto_migrate": True,
+    }
+    if plan.transport == "grpc":
+        # The wire's own limits (large models go as blob streams), on loopback, without TLS.
+        return CoordinatorSettings(
+            **common,
+            listen_address="127.0.0.1:0",
+            insecure=True,
+            open_enrolment=True,
+            shutdown_grace=timedelta(seconds=1),
+        )
     big = 2 * 1024**3  # models travel inline: there is no message to keep small in-process
-    return CoordinatorSettings(
-        data_dir=workdir,
-        db_url=url,
-        blob_dir=blob_dir,
-        max_task_wait=_TASK_WAIT,
-        default_task_wait=_TASK_WAIT,
-        max_message_bytes=big,
-        inline_payload_bytes=big,
-        reaper_interval=timedelta(seconds=0.5),
-        auto_migrate=True,
-    )
+    return CoordinatorSettings(**common, max_message_bytes=big, inline_payload_bytes=big)
 
 
 async def simulate(plan: Plan, pool: ExecutorPool) -> SimulationResult:
     """Runs ``plan`` on the running event loop (which this function may configure: it owns it)."""
     started = time.perf_counter()
-    router = TaskRouter(pool)
-    asyncio.get_running_loop().set_default_executor(router)  # see TaskRouter: where to_thread work goes
     errors = _WorkflowErrors()
     supervisor_log = logging.getLogger(_SUPERVISOR_LOGGER)
     supervisor_log.addHandler(errors)
     try:
         with tempfile.TemporaryDirectory(prefix="fedlink-sim-") as tmp:
-            async with CoordinatorCore(_settings(plan, Path(tmp)), supervisor_poll_seconds=0.05) as core:
-                return await _run(plan, core, errors, started)
+            workdir = Path(tmp)
+            if plan.transport == "grpc":
+                async with Coordinator(_settings(plan, workdir)) as coordinator:
+                    assert coordinator.core is not None and coordinator.endpoint is not None
+                    wire = (coordinator.endpoint.address, workdir / "devices")
+                    return await _run(plan, coordinator.core, pool, errors, started, wire)
+            async with CoordinatorCore(_settings(plan, workdir), supervisor_poll_seconds=0.05) as core:
+                return await _run(plan, core, pool, errors, started, None)
     finally:
         supervisor_log.removeHandler(errors)
-        router.shutdown(wait=False)
         for sink in plan.sinks:
             sink.close()
 
 
+def _grpc_transports(
+    devices: Sequence[InProcessTransport], credentials: Sequence[str], address: str, state_root: Path
+) -> list[Transport]:
+    """One GrpcTransport per enrolled device, its identity file written as if it had enrolled itself."""
+    transports: list[Transport] = []
+    for device, credential in zip(devices, credentials, strict=True):
+        state_dir = state_root / f"device-{device.index}"
+        StateDir(state_dir).save_identity(
+            Identity(
+                enroll_request_id=f"simulation-{device.index}",
+                device_id=device.device_id,
+                credential=credential,
+                server=address,
+            )
+        )
+        config = GrpcTransportConfig(
+            server=address,
+            state_dir=state_dir,
+            insecure=True,
+            backoff=Backoff(base=timedelta(milliseconds=50), cap=timedelta(seconds=2)),
+        )
+        transports.append(GrpcTransport(config))
+    return transports
+
+
 async def _run(
-    plan: Plan, core: CoordinatorCore, errors: _WorkflowErrors, started: float
+    plan: Plan,
+    core: CoordinatorCore,
+    pool: ExecutorPool,
+    errors: _WorkflowErrors,
+    started: float,
+    wire: tuple[str, Path] | None,
 ) -> SimulationResult:
     hub = DeviceHub(core, heterogeneity=plan.heterogeneity, seed=plan.seed)
     width = max(6, len(str(plan.num_devices - 1)))
-    transports = [InProcessTransport(hub, i) for i in range(plan.num_devices)]
+    devices = [InProcessTransport(hub, i) for i in range(plan.num_devices)]
     info = dict(plan.device_info)
+    credentials: list[str] = []
     for start in range(0, plan.num_devices, _ENROL_BATCH):
-        batch = transports[start : start + _ENROL_BATCH]
-        await asyncio.gather(*(t.enroll(f"sim-{t.index:0{width}d}", info) for t in batch))
-    index_of = {t.device_id: t.index for t in transports}
+        batch = devices[start : start + _ENROL_BATCH]
+        credentials += await asyncio.gather(*(t.enroll(f"sim-{t.index:0{width}d}", info) for t in batch))
+    index_of = {t.device_id: t.index for t in devices}
+    transports: list[Transport] = list(devices)
+    if wire is not None:
+        transports = _grpc_transports(devices, credentials, *wire)
     job = plan.job
     model_ref = await core.store.blobs.put_bytes(job.model_dxo().to_bytes())
     view = await core.control_protocol.submit_job(
@@ -241,11 +309,12 @@ async def _run(
             math.inf,
             resolver_registry=plan.registry,
             transport=t,
-            partition_id=t.index,
+            partition_id=i,
             num_partitions=plan.num_devices,
             backoff=Backoff(base=timedelta(milliseconds=50), cap=timedelta(seconds=2)),
+            worker=pool.worker,
         )
-        for t in transports
+        for i, t in enumerate(transports)
     ]
     tasks = [asyncio.create_task(r.run_async(), name=f"device-{i}") for i, r in enumerate(runners)]
     ticker = asyncio.create_task(_tick(plan.sinks, hub.counts))

@@ -130,14 +130,19 @@ class InProcessTransport(Transport):
             raise FailedPrecondition(f"virtual device {self._index} is not enrolled")
         return self._device
 
-    async def enroll(self, device_id: str, device_info: dict[str, str]) -> None:
-        """Enrols the device under ``device_id`` with a fresh credential, and authenticates it."""
+    async def enroll(self, device_id: str, device_info: dict[str, str]) -> str:
+        """Enrols the device under ``device_id`` with a fresh credential, and authenticates it.
+
+        Returns:
+            The device's credential (a gRPC transport of the same device presents it).
+        """
         # The id is the simulation's (sim-000042), not the protocol's random one, so that device order,
         # sampling and aggregation order are the same in every run with the same seed.
         credential = uuid.uuid4().hex + uuid.uuid4().hex
         store = self._hub.core.store
         await store.enroll_device(device_info, {}, hash_credential(credential), device_id=device_id)
         self._device = await self._hub.core.device_protocol.authenticate(credential)
+        return credential
 
     async def open(self) -> None:
         """Checks the device is enrolled (there is no connection to open)."""
