@@ -36,7 +36,9 @@ def _key(value: Any) -> Hashable:
 def _memoized(
     type_name: str, factory: Factory, cache: dict[Hashable, object], lock: threading.Lock
 ) -> Factory:
-    @functools.wraps(factory)  # keeps the signature, which the job config checks the args against
+    # Keeps the signature (which the job config checks the args against), not the factory's __dict__:
+    # a class's would carry its ABC cache, which cannot be pickled (the ray backend ships registries).
+    @functools.wraps(factory, updated=())
     def build(**args: Any) -> object:
         key = (type_name, _key(args))
         with lock:

@@ -255,7 +255,7 @@ class RayWorker(TaskWorker):
             self._idle.put_nowait(actor)
 
     async def _await(self, ref: Any, signal: Signal) -> DXO:
-        future: asyncio.Future[DXO] = ref.as_future()
+        future: asyncio.Future[DXO] = asyncio.wrap_future(ref.future())
         while not future.done():
             await asyncio.wait({future}, timeout=_SIGNAL_POLL_S)
             if signal.triggered and not future.done():
