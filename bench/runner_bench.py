@@ -44,6 +44,7 @@ import grpc
 import numpy as np
 
 from bench import proc_stats
+from bench.bare_device import bare_device_tasks
 from bench.child_processes import ServerProcess, cpu_count
 from bench.coordinator_admin import ModelFile, admin_metadata, job_outcome, upload_model, write_model_file
 from bench.coordinator_process import settings_from_json
@@ -51,15 +52,12 @@ from bench.echo_server import UNARY_METHOD
 from bench.runner_probes import Probe, TaskTimes, TimedGrpcTransport, registry
 from bench.upload_sink import UPLOAD_METHOD
 from fedlink.common.dxo import DXO, DataKind
-from fedlink.common.version import PROTOCOL_VERSION
 from fedlink.runner.loop import Runner
 from fedlink.runner.transport.grpc_transport import GrpcTransportConfig
 from fedlink.server.store import open_store
 from fedlink.v1 import control_service_pb2 as cpb
 from fedlink.v1 import control_service_pb2_grpc as cgrpc
-from fedlink.v1 import dxo_pb2, states_pb2
-from fedlink.v1 import runner_service_pb2 as rpb
-from fedlink.v1 import runner_service_pb2_grpc as rgrpc
+from fedlink.v1 import dxo_pb2
 
 MiB = 1024**2
 MB = 1_000_000
@@ -261,61 +259,6 @@ async def runner_overhead(cfg: Config, workdir: Path, model: ModelFile) -> dict[
     }
 
 
-async def _bare_device(
-    address: str, job_name: str, rounds: int, result: dxo_pb2.Dxo
-) -> tuple[list[TaskTimes], int]:
-    """GetTask → ReportResult with a prebuilt result until ``rounds`` acks; the timings and report size."""
-    times: list[TaskTimes] = []
-    report_bytes = 0
-    async with grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
-        stub = rgrpc.RunnerServiceStub(channel)
-        enrolled = await stub.Enroll(
-            rpb.EnrollRequest(
-                protocol_version=PROTOCOL_VERSION, request_id=str(uuid.uuid4()), device_info={"bench": "bare"}
-            )
-        )
-        metadata = (("authorization", f"Bearer {enrolled.device_credential}"),)
-        while True:
-            job = await stub.GetJob(
-                rpb.GetJobRequest(
-                    job_name=job_name, protocol_version=PROTOCOL_VERSION, device_info={"bench": "bare"}
-                ),
-                metadata=metadata,
-            )
-            if job.status == rpb.RUNNER_STATUS_OK:
-                break
-            await asyncio.sleep(0.05)
-        cookie = b""
-        while len(times) < rounds:
-            request = rpb.GetTaskRequest(job_id=job.job_id, cookie=cookie)
-            request.wait_timeout.FromSeconds(20)
-            start = time.perf_counter()
-            offer = await stub.GetTask(request, metadata=metadata, timeout=50)
-            end = time.perf_counter()
-            cookie = offer.cookie or cookie
-            if offer.status == rpb.RUNNER_STATUS_RETRY:
-                continue
-            if offer.status != rpb.RUNNER_STATUS_OK:
-                break
-            task = TaskTimes(offer.task_id, get_start=start, get_end=end)
-            report = rpb.ReportResultRequest(
-                job_id=job.job_id,
-                task_id=offer.task_id,
-                cookie=offer.cookie,
-                request_id=str(uuid.uuid4()),
-                status=states_pb2.RESULT_STATUS_SUCCEEDED,
-            )
-            report.result.dxo.CopyFrom(result)
-            report_bytes = report.ByteSize()
-            task.report_start = time.perf_counter()
-            ack = await stub.ReportResult(report, metadata=metadata, timeout=30)
-            task.report_end = time.perf_counter()
-            task.ack = rpb.RunnerStatus.Name(ack.status)
-            cookie = ack.cookie or cookie
-            times.append(task)
-    return times, report_bytes
-
-
 async def bare_device_floor(cfg: Config, workdir: Path, model: ModelFile) -> dict[str, Any]:
     """The protocol's floor per task: GetTask + ReportResult from the stubs, no runner code."""
     result = DXO(
@@ -324,7 +267,7 @@ async def bare_device_floor(cfg: Config, workdir: Path, model: ModelFile) -> dic
     job = _JobSpec("overhead-bare", cfg.rounds, "NoopExecutor")
     async with _with_job(workdir, "coordinator-bare", model, job) as coord:
         times, report_bytes = await asyncio.wait_for(
-            _bare_device(coord.address, job.name, cfg.rounds, result), 60 + cfg.rounds * 2.0
+            bare_device_tasks(coord.address, job.name, cfg.rounds, result), 60 + cfg.rounds * 2.0
         )
         outcome = await job_outcome(coord.control, coord.admin, coord.job_id)
     measured = times[cfg.warmup_tasks :]
