@@ -9,10 +9,10 @@ from typing import Any
 
 from fedlink.common.errors import InvalidArgument
 from fedlink.server.api.rpc import Call
-from fedlink.server.api.runner_servicer import split_upload, upload_status
+from fedlink.server.api.uploads import receive_stream, upload_status
 from fedlink.server.domain import Device, DeviceState, JobEvent, JobState, ResultStatus
 from fedlink.server.protocol.control import ControlProtocol, JobSubmission, JobView
-from fedlink.server.protocol.transfers import receive_upload, send_blob
+from fedlink.server.protocol.transfers import send_blob
 from fedlink.server.store import BlobStore
 from fedlink.server.workflows.fedavg import FedAvgParams
 from fedlink.v1 import control_service_pb2 as pb
@@ -222,15 +222,7 @@ class ControlServicer:
     async def UploadModel(
         self, requests: AsyncIterator[pb.UploadModelRequest], call: Call
     ) -> pb.UploadModelResponse:
-        header, chunks = await split_upload(requests)
-        ref = await receive_upload(
-            self._blobs,
-            sha256=header.sha256,
-            size_bytes=header.size_bytes,
-            offset=header.offset,
-            chunks=chunks,
-            max_bytes=self._max_model_bytes,
-        )
+        ref = await receive_stream(self._blobs, requests, max_bytes=self._max_model_bytes)
         response = pb.UploadModelResponse()
         response.model.sha256 = ref.sha256
         response.model.size_bytes = ref.size_bytes

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime, timedelta
-from typing import Any
-
-from google.protobuf import duration_pb2, timestamp_pb2
+from datetime import UTC
 
 from fedlink.common.errors import InvalidArgument
 from fedlink.common.version import PROTOCOL_VERSION
 from fedlink.server.api.rpc import Call
+from fedlink.server.api.uploads import receive_stream, upload_status
 from fedlink.server.domain import Device, ResultStatus
 from fedlink.server.protocol.device import DeviceProtocol, DeviceStatus, ResultInput, TaskReply
-from fedlink.server.protocol.transfers import check_sha256, receive_upload, send_blob
+from fedlink.server.protocol.transfers import send_blob
 from fedlink.server.store import BlobStore
 from fedlink.v1 import dxo_pb2, states_pb2
 from fedlink.v1 import runner_service_pb2 as pb
@@ -30,24 +28,6 @@ _RESULT_STATUS = {
     states_pb2.RESULT_STATUS_SUCCEEDED: ResultStatus.SUCCEEDED,
     states_pb2.RESULT_STATUS_FAILED: ResultStatus.FAILED,
 }
-
-
-def duration(delta: timedelta | None) -> duration_pb2.Duration | None:
-    """A protobuf Duration, or None."""
-    if delta is None:
-        return None
-    out = duration_pb2.Duration()
-    out.FromTimedelta(delta)
-    return out
-
-
-def timestamp(moment: datetime | None) -> timestamp_pb2.Timestamp | None:
-    """A protobuf Timestamp, or None."""
-    if moment is None:
-        return None
-    out = timestamp_pb2.Timestamp()
-    out.FromDatetime(moment.astimezone(UTC))
-    return out
 
 
 class RunnerServicer:
@@ -182,15 +162,7 @@ class RunnerServicer:
     async def UploadBlob(
         self, requests: AsyncIterator[pb.UploadBlobRequest], call: Call
     ) -> pb.UploadBlobResponse:
-        header, chunks = await split_upload(requests)
-        ref = await receive_upload(
-            self._blobs,
-            sha256=header.sha256,
-            size_bytes=header.size_bytes,
-            offset=header.offset,
-            chunks=chunks,
-            max_bytes=self._max_blob_bytes,
-        )
+        ref = await receive_stream(self._blobs, requests, max_bytes=self._max_blob_bytes)
         response = pb.UploadBlobResponse()
         response.blob.sha256 = ref.sha256
         response.blob.size_bytes = ref.size_bytes
@@ -210,37 +182,3 @@ class RunnerServicer:
             self._blobs, request.sha256, offset=request.offset, max_chunk_bytes=request.max_chunk_bytes
         ):
             yield pb.DownloadBlobResponse(offset=offset, data=data, size_bytes=size)
-
-
-async def split_upload(
-    requests: AsyncIterator[Any],
-) -> tuple[dxo_pb2.BlobUploadHeader, AsyncIterator[bytes]]:
-    """Takes an upload stream's header off and returns it with an iterator over the chunks.
-
-    Serves both UploadBlobRequest and UploadModelRequest: each is a ``part`` oneof of a header and
-    a chunk.
-    """
-    iterator = aiter(requests)
-    try:
-        first = await anext(iterator)
-    except StopAsyncIteration:
-        raise InvalidArgument("the upload stream is empty: send the header first") from None
-    if first.WhichOneof("part") != "header":
-        raise InvalidArgument("the first message of an upload must be the header")
-    header: dxo_pb2.BlobUploadHeader = first.header
-
-    async def chunks() -> AsyncIterator[bytes]:
-        async for message in iterator:
-            if message.WhichOneof("part") != "chunk":
-                raise InvalidArgument("only the first message of an upload may be a header")
-            yield message.chunk
-
-    return header, chunks()
-
-
-async def upload_status(blobs: BlobStore, sha256: str) -> tuple[int, bool]:
-    """How many bytes of an upload arrived, and whether the blob is complete."""
-    check_sha256(sha256)
-    if await blobs.exists(sha256):
-        return (await blobs.stat(sha256)).size_bytes, True
-    return await blobs.received_bytes(sha256), False
