@@ -5,8 +5,8 @@ shaped workload: every device has one-slot tasks targeted at it, ``--rounds-ahea
 Workers loop over their own devices: claim (one per call, or ``batch`` per ``claim_tasks`` call, as
 the coordinator's batcher does), then report a SUCCEEDED result with a small payload blob ref for
 every claim. A refiller in the same process creates the next round as devices get through one and
-closes a finished round's tasks one by one with ``close_task`` (as the FedAvg workflow does), so the
-clock never stops and the open set stays bounded.
+closes a finished round's tasks with one ``close_round_tasks`` call (as the FedAvg workflow does), so
+the clock never stops and the open set stays bounded.
 
 Placement: on SQLite all workers share one process and one store (the coordinator is one process,
 and the store queues its SQLite writers in-process); on PostgreSQL every worker is its own process
@@ -208,6 +208,8 @@ class ProcessWorkload:
         self.rounds: dict[int, list[str]] = {}
         self.next_round = 0
         self.payload_sha = ""
+        # Each process numbers its own rounds: a task name of its own keeps its round closes to its tasks.
+        self.task_name = f"train-{uuid.uuid4().hex[:8]}"
 
     async def create_round(self) -> None:
         """Create the next round: one task targeted at each device of this process."""
@@ -221,7 +223,7 @@ class ProcessWorkload:
                         job_id=self.job_id,
                         run_id=self.run_id,
                         round=self.next_round,
-                        name="train",
+                        name=self.task_name,
                         payload_sha256=self.payload_sha,
                         deadline=deadline,
                         targets=(device,),
@@ -240,10 +242,9 @@ class ProcessWorkload:
             while self.next_round < slowest + ahead:
                 await self.create_round()
             for round_no in sorted(r for r in self.rounds if r < slowest):
-                for task_id in self.rounds.pop(round_no):
-                    await self.store.close_task(task_id)
-                    with counters.closes.get_lock():
-                        counters.closes.value += 1
+                # One statement per round, as FedAvg closes a round.
+                await self.store.close_round_tasks(run_id=self.run_id, round=round_no, name=self.task_name)
+                _add(counters.closes, len(self.rounds.pop(round_no)))
             await asyncio.sleep(0.02)
 
     async def work(self, index: int, stop: Event, counters: Counters) -> None:
