@@ -11,14 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime, timedelta
-from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from fedlink.common.errors import InvalidArgument, PermissionDenied
 from fedlink.server.domain import (
-    ACTIVE_ASSIGNMENT_STATES,
     Assignment,
     AssignmentState,
     LeaseLost,
@@ -28,6 +26,7 @@ from fedlink.server.domain import (
     transition_task,
 )
 from fedlink.server.store import rows
+from fedlink.server.store.claiming import ClaimStatements, claim_batch
 from fedlink.server.store.core import StoreCore
 from fedlink.server.store.protocol import ClaimRequest, NewTask
 from fedlink.server.store.schema import assignments, state_is, task_targets, tasks
@@ -35,13 +34,8 @@ from fedlink.server.store.schema import assignments, state_is, task_targets, tas
 _LEASED = AssignmentState.LEASED.value
 _OPEN = TaskState.OPEN.value
 # Literal predicates matching the partial indexes in schema.py (same states, same order).
-_ACTIVE_SQL = state_is(assignments.c.state, "LEASED", "COMPLETED")
 _LEASED_SQL = state_is(assignments.c.state, "LEASED")
 _OPEN_SQL = state_is(tasks.c.state, "OPEN")
-assert {AssignmentState.LEASED, AssignmentState.COMPLETED} == ACTIVE_ASSIGNMENT_STATES
-# How many looks a claim may take when it keeps losing races; each lost race means another device
-# got a task, so the system as a whole makes progress.
-_MAX_LOOKS = 50
 
 
 class ClaimQueries(StoreCore):
@@ -153,11 +147,7 @@ class ClaimQueries(StoreCore):
             return []
 
         statements = self._claim_statements()
-
-        async def work(conn: AsyncConnection) -> list[Assignment | None]:
-            return [await _claim_one(statements, conn, r, now, lease) for r in requests]
-
-        return await self._db.write(work)
+        return await self._db.write_sync(lambda conn: claim_batch(statements, conn, requests, now, lease))
 
     async def has_claimable(self, device_id: str, job_id: str, now: datetime) -> bool:
         """Tell, in a read transaction, whether a claim by the device could get anything now.
@@ -169,10 +159,10 @@ class ClaimQueries(StoreCore):
         async with self._db.read() as conn:
             return bool((await conn.execute(self._claim_statements().anything, params)).scalar())
 
-    def _claim_statements(self) -> _ClaimStatements:
-        statements: _ClaimStatements | None = getattr(self, "_claims_prepared", None)
+    def _claim_statements(self) -> ClaimStatements:
+        statements: ClaimStatements | None = getattr(self, "_claims_prepared", None)
         if statements is None:
-            statements = _ClaimStatements(self._db.insert_ignore(assignments))
+            statements = ClaimStatements(self._db.insert_ignore(assignments))
             self._claims_prepared = statements
         return statements
 
@@ -248,153 +238,3 @@ class ClaimQueries(StoreCore):
             return [rows.assignment(r) for r in expired]
 
         return await self._db.write(work)
-
-
-def _has_assignment() -> sa.ColumnElement[bool]:
-    """The device already has an assignment (in any state) of the task: one per (task, device)."""
-    return sa.exists().where(assignments.c.task_id == tasks.c.task_id, assignments.c.device_id == _DEVICE)
-
-
-def _active_count() -> sa.ScalarSelect[int]:
-    return (
-        sa.select(sa.func.count())
-        .where(assignments.c.task_id == tasks.c.task_id, _ACTIVE_SQL)
-        .scalar_subquery()
-    )
-
-
-def _lowest_free_slot() -> sa.ColumnElement[int]:
-    """The task's lowest slot no active assignment holds (0, or one past a held slot with a gap after it).
-
-    Below ``slots`` whenever fewer than ``slots`` slots are held, which the candidate filter ensures.
-    """
-    held, after = assignments.alias("held"), assignments.alias("after")
-    zero_held = sa.exists().where(
-        held.c.task_id == tasks.c.task_id, state_is(held.c.state, "LEASED", "COMPLETED"), held.c.slot == 0
-    )
-    next_free = (
-        sa.select(sa.func.min(held.c.slot + 1))
-        .where(
-            held.c.task_id == tasks.c.task_id,
-            state_is(held.c.state, "LEASED", "COMPLETED"),
-            ~sa.exists().where(
-                after.c.task_id == held.c.task_id,
-                state_is(after.c.state, "LEASED", "COMPLETED"),
-                after.c.slot == held.c.slot + 1,
-            ),
-        )
-        .scalar_subquery()
-    )
-    return sa.case((~zero_held, 0), else_=next_free)
-
-
-_DEVICE = sa.bindparam("device_id", type_=assignments.c.device_id.type)
-_JOB = sa.bindparam("job_id", type_=assignments.c.job_id.type)
-_NOW = sa.bindparam("now", type_=tasks.c.deadline.type)
-_COLUMNS = [
-    "assignment_id",
-    "task_id",
-    "job_id",
-    "device_id",
-    "slot",
-    "state",
-    "lease_expires_at",
-    "created_at",
-]
-
-
-class _ClaimStatements:
-    """The claim path's statements, built once with bind parameters.
-
-    Building SQLAlchemy constructs (aliases, subqueries) per claim cost more Python time than the
-    database spent running them; built once, they compile once and hit the compiled cache.
-    """
-
-    def __init__(self, insert: sa.Insert) -> None:
-        self.held = (
-            sa.select(assignments)
-            .join(tasks, tasks.c.task_id == assignments.c.task_id)
-            .where(
-                assignments.c.device_id == _DEVICE,
-                assignments.c.job_id == _JOB,
-                _LEASED_SQL,
-                assignments.c.lease_expires_at > _NOW,
-                _OPEN_SQL,
-                tasks.c.deadline > _NOW,
-            )
-            .order_by(assignments.c.created_at)
-            .limit(1)
-        )
-        # Two lookups, each served by its own index: the tasks offered to this device (FedAvg's),
-        # then the job's untargeted tasks. One OR-ed query would walk every open task of the job.
-        targeted = (
-            sa.select(tasks.c.task_id)
-            .select_from(task_targets.join(tasks, tasks.c.task_id == task_targets.c.task_id))
-            .where(
-                task_targets.c.device_id == _DEVICE,
-                tasks.c.job_id == _JOB,
-                _OPEN_SQL,
-                tasks.c.deadline > _NOW,
-                ~_has_assignment(),
-                _active_count() < tasks.c.slots,
-            )
-            .order_by(tasks.c.created_at, tasks.c.task_id)
-            .limit(1)
-        )
-        untargeted = (
-            sa.select(tasks.c.task_id)
-            .where(
-                tasks.c.job_id == _JOB,
-                # Spelled like ix_tasks_open_untargeted_job_created's predicate, so the planner uses it.
-                _OPEN_SQL,
-                tasks.c.targeted == sa.false(),
-                tasks.c.deadline > _NOW,
-                ~_has_assignment(),
-                _active_count() < tasks.c.slots,
-            )
-            .order_by(tasks.c.created_at, tasks.c.task_id)
-            .limit(1)
-        )
-        self.lookups = [(candidates, self._pick(insert, candidates)) for candidates in (targeted, untargeted)]
-        self.anything = sa.select(sa.or_(self.held.exists(), targeted.exists(), untargeted.exists()))
-
-    @staticmethod
-    def _pick(insert: sa.Insert, candidates: sa.Select[Any]) -> Any:
-        pick = candidates.with_only_columns(
-            sa.bindparam("assignment_id", type_=assignments.c.assignment_id.type),
-            tasks.c.task_id,
-            _JOB,
-            _DEVICE,
-            _lowest_free_slot(),
-            sa.literal(_LEASED, assignments.c.state.type),
-            sa.bindparam("lease_expires_at", type_=assignments.c.lease_expires_at.type),
-            _NOW,
-        )
-        return insert.from_select(_COLUMNS, pick).returning(assignments)
-
-
-async def _claim_one(
-    statements: _ClaimStatements,
-    conn: AsyncConnection,
-    request: ClaimRequest,
-    now: datetime,
-    lease: timedelta,
-) -> Assignment | None:
-    """Claim for one request: the re-delivery check, then INSERT ... SELECT per lookup."""
-    params: dict[str, Any] = {"device_id": request.device_id, "job_id": request.job_id, "now": now}
-    if (row := (await conn.execute(statements.held, params)).first()) is not None:
-        return rows.assignment(row)  # re-delivery: the device asks again for what it holds
-    insert_params = {**params, "lease_expires_at": now + lease}
-    for candidates, pick in statements.lookups:
-        for _ in range(_MAX_LOOKS):
-            insert_params["assignment_id"] = new_id()
-            inserted = (await conn.execute(pick, insert_params)).first()
-            if inserted is not None:
-                return rows.assignment(inserted)
-            # Nothing inserted: either nothing is left, or a concurrent claim took the slot first.
-            if (await conn.execute(candidates, params)).first() is None:
-                break
-            # A concurrent request of the same device may have won meanwhile: it gets that one again.
-            if (row := (await conn.execute(statements.held, params)).first()) is not None:
-                return rows.assignment(row)
-    return None

@@ -5,6 +5,11 @@ turned off and write transactions opened with ``BEGIN IMMEDIATE`` (so two writer
 instead of failing on upgrade from a read lock). ``:memory:`` shares one connection (StaticPool), so
 every transaction on it is serialised in-process. PostgreSQL: READ COMMITTED; write transactions are
 retried on deadlock and serialization failures.
+
+The hot path's write transactions are written as synchronous SQLAlchemy code (:meth:`Database.write_sync`).
+On a SQLite file they run whole in one writer thread on a plain pysqlite connection: aiosqlite hops
+between threads for every cursor, execute, fetch and close, and those hops cost more than SQLite's
+work. Elsewhere they run through the async connection's ``run_sync``.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
@@ -60,6 +66,19 @@ def _on_sqlite_begin(conn: sa.Connection) -> None:
     conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
 
+def _sqlite_sync_engine(url: str) -> sa.Engine:
+    """A plain pysqlite engine on the same SQLite file, with the same settings, for the writer thread."""
+    engine = sa.create_engine(
+        make_url(url).set(drivername="sqlite+pysqlite"),
+        connect_args={"check_same_thread": False},
+        pool_size=1,
+        max_overflow=0,
+    )
+    event.listen(engine, "connect", lambda c, r: _on_sqlite_connect(c, r, memory=False))
+    event.listen(engine, "begin", _on_sqlite_begin)
+    return engine.execution_options(**{_WRITE_OPTION: True})
+
+
 def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
     """Create the async engine for ``url`` (``sqlite+aiosqlite://`` or ``postgresql+asyncpg://``)."""
     parsed = make_url(url)
@@ -103,6 +122,8 @@ class Database:
         # handler (which sleeps in a thread). In memory, readers share the one connection too.
         self._write_lock = asyncio.Lock() if self.is_sqlite else None
         self._write_engine = self.engine.execution_options(**{_WRITE_OPTION: True})
+        # Built on first use of write_sync: only a SQLite file gets its own writer thread.
+        self._sync_writer: tuple[sa.Engine, ThreadPoolExecutor] | None = None
 
     def insert_ignore(self, table: sa.Table) -> Any:
         """``INSERT ... ON CONFLICT DO NOTHING`` into ``table`` for this database's dialect."""
@@ -139,6 +160,42 @@ class Database:
                 await asyncio.sleep(0.001 * attempt)
         raise AssertionError("unreachable")
 
+    async def write_sync(self, work: Callable[[sa.Connection], T]) -> T:
+        """Run synchronous ``work`` in one write transaction (retried as :meth:`write` retries).
+
+        On a SQLite file the whole transaction runs in the store's writer thread (no thread hop per
+        statement); elsewhere inside the async connection's ``run_sync``.
+        """
+        if not self.is_sqlite or self._memory:
+            return await self.write(lambda conn: conn.run_sync(work))
+        assert self._write_lock is not None
+        engine, thread = self._writer()
+        async with self._write_lock:
+            # If the caller is cancelled the thread still finishes (commits or rolls back) on its own.
+            return await asyncio.get_running_loop().run_in_executor(thread, _in_transaction, engine, work)
+
+    def _writer(self) -> tuple[sa.Engine, ThreadPoolExecutor]:
+        if self._sync_writer is None:
+            thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedlink-sqlite-writer")
+            self._sync_writer = (_sqlite_sync_engine(self.url), thread)
+        return self._sync_writer
+
     async def dispose(self) -> None:
-        """Close every pooled connection."""
+        """Close every pooled connection (and stop the SQLite writer thread)."""
+        if self._sync_writer is not None:
+            engine, thread = self._sync_writer
+            self._sync_writer = None
+            await asyncio.get_running_loop().run_in_executor(thread, engine.dispose)
+            thread.shutdown(wait=True)
         await self.engine.dispose()
+
+
+def _in_transaction(engine: sa.Engine, work: Callable[[sa.Connection], T]) -> T:
+    """Run ``work`` in a transaction of ``engine``; a locked database is Unavailable, as in write()."""
+    try:
+        with engine.begin() as conn:
+            return work(conn)
+    except sa.exc.OperationalError as exc:
+        if "locked" in str(exc):
+            raise Unavailable(f"database is busy: {exc.orig}") from exc
+        raise

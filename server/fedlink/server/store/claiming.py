@@ -1,0 +1,322 @@
+"""The claim hot path: a batch of task requests served with a few set-based statements.
+
+For a batch, one SELECT finds every re-delivery (a device asking again for the lease it holds), one
+SELECT finds each remaining device's oldest claimable task targeted at it (FedAvg's case), and one
+multi-row ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` takes them. Requests that lost a race for a
+slot, or that need an untargeted task, go through the per-request path. The unique indexes on
+assignments are what makes double assignment impossible; these statements only make the common case
+cheap. Synchronous SQLAlchemy code: it runs whole in the store's writer thread on a SQLite file
+(:meth:`~fedlink.server.store.dialect.Database.write_sync`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+
+from fedlink.server.domain import (
+    ACTIVE_ASSIGNMENT_STATES,
+    Assignment,
+    AssignmentState,
+    new_id,
+)
+from fedlink.server.store import rows
+from fedlink.server.store.protocol import ClaimRequest
+from fedlink.server.store.schema import assignments, state_is, task_targets, tasks
+
+_LEASED = AssignmentState.LEASED.value
+# Literal predicates matching the partial indexes in schema.py (same states, same order).
+_ACTIVE_SQL = state_is(assignments.c.state, "LEASED", "COMPLETED")
+_LEASED_SQL = state_is(assignments.c.state, "LEASED")
+_OPEN_SQL = state_is(tasks.c.state, "OPEN")
+assert {AssignmentState.LEASED, AssignmentState.COMPLETED} == ACTIVE_ASSIGNMENT_STATES
+# How many looks a claim may take when it keeps losing races; each lost race means another device
+# got a task, so the system as a whole makes progress.
+_MAX_LOOKS = 50
+# Requests per set-based round trip: IN lists stay far below SQLite's bound-parameter limit.
+_CHUNK = 256
+
+_DEVICE = sa.bindparam("device_id", type_=assignments.c.device_id.type)
+_JOB = sa.bindparam("job_id", type_=assignments.c.job_id.type)
+_NOW = sa.bindparam("now", type_=tasks.c.deadline.type)
+_DEVICES = sa.bindparam("device_ids", expanding=True, type_=assignments.c.device_id.type)
+_JOBS = sa.bindparam("job_ids", expanding=True, type_=assignments.c.job_id.type)
+_COLUMNS = [
+    "assignment_id",
+    "task_id",
+    "job_id",
+    "device_id",
+    "slot",
+    "state",
+    "lease_expires_at",
+    "created_at",
+]
+
+Pair = tuple[str, str]  # (device_id, job_id)
+
+
+def _has_assignment(
+    task_id: sa.ColumnElement[str], device_id: sa.ColumnElement[str]
+) -> sa.ColumnElement[bool]:
+    """The device already has an assignment (in any state) of the task: one per (task, device)."""
+    return sa.exists().where(assignments.c.task_id == task_id, assignments.c.device_id == device_id)
+
+
+def _has_free_slot(task_id: sa.ColumnElement[str], slots: sa.ColumnElement[int]) -> sa.ColumnElement[bool]:
+    active = sa.select(sa.func.count()).where(assignments.c.task_id == task_id, _ACTIVE_SQL).scalar_subquery()
+    return active < slots
+
+
+def _lowest_free_slot(task_id: sa.ColumnElement[str]) -> sa.ColumnElement[int]:
+    """The task's lowest slot no active assignment holds (0, or one past a held slot with a gap after it).
+
+    Below the task's slots whenever fewer than that are held, which the candidate filters ensure.
+    """
+    held, after = assignments.alias("held"), assignments.alias("after")
+    zero_held = sa.exists().where(
+        held.c.task_id == task_id, state_is(held.c.state, "LEASED", "COMPLETED"), held.c.slot == 0
+    )
+    next_free = (
+        sa.select(sa.func.min(held.c.slot + 1))
+        .where(
+            held.c.task_id == task_id,
+            state_is(held.c.state, "LEASED", "COMPLETED"),
+            ~sa.exists().where(
+                after.c.task_id == held.c.task_id,
+                state_is(after.c.state, "LEASED", "COMPLETED"),
+                after.c.slot == held.c.slot + 1,
+            ),
+        )
+        .scalar_subquery()
+    )
+    return sa.case((~zero_held, 0), else_=next_free)
+
+
+class ClaimStatements:
+    """The claim path's statements, built once with bind parameters.
+
+    Building SQLAlchemy constructs (aliases, subqueries) per claim cost more Python time than the
+    database spent running them; built once, they compile once and hit the compiled cache.
+    """
+
+    def __init__(self, insert: sa.Insert) -> None:
+        live_lease = (
+            _LEASED_SQL,
+            assignments.c.lease_expires_at > _NOW,
+            _OPEN_SQL,
+            tasks.c.deadline > _NOW,
+        )
+        held_join = assignments.join(tasks, tasks.c.task_id == assignments.c.task_id)
+        self.held = (
+            sa.select(assignments)
+            .select_from(held_join)
+            .where(assignments.c.device_id == _DEVICE, assignments.c.job_id == _JOB, *live_lease)
+            .order_by(assignments.c.created_at)
+            .limit(1)
+        )
+        self.held_many = (
+            sa.select(assignments)
+            .select_from(held_join)
+            .where(assignments.c.device_id.in_(_DEVICES), assignments.c.job_id.in_(_JOBS), *live_lease)
+            .order_by(assignments.c.created_at, assignments.c.assignment_id)
+        )
+        # Two lookups, each served by its own index: the tasks offered to this device (FedAvg's),
+        # then the job's untargeted tasks. One OR-ed query would walk every open task of the job.
+        targeted = (
+            sa.select(tasks.c.task_id)
+            .select_from(task_targets.join(tasks, tasks.c.task_id == task_targets.c.task_id))
+            .where(
+                task_targets.c.device_id == _DEVICE,
+                tasks.c.job_id == _JOB,
+                _OPEN_SQL,
+                tasks.c.deadline > _NOW,
+                ~_has_assignment(tasks.c.task_id, _DEVICE),
+                _has_free_slot(tasks.c.task_id, tasks.c.slots),
+            )
+            .order_by(tasks.c.created_at, tasks.c.task_id)
+            .limit(1)
+        )
+        untargeted = (
+            sa.select(tasks.c.task_id)
+            .where(
+                tasks.c.job_id == _JOB,
+                # Spelled like ix_tasks_open_untargeted_job_created's predicate, so the planner uses it.
+                _OPEN_SQL,
+                tasks.c.targeted == sa.false(),
+                tasks.c.deadline > _NOW,
+                ~_has_assignment(tasks.c.task_id, _DEVICE),
+                _has_free_slot(tasks.c.task_id, tasks.c.slots),
+            )
+            .order_by(tasks.c.created_at, tasks.c.task_id)
+            .limit(1)
+        )
+        self.lookups = [(candidates, self._pick(insert, candidates)) for candidates in (targeted, untargeted)]
+        self.untargeted = self.lookups[1]
+        self.any_untargeted = sa.select(
+            sa.exists().where(
+                tasks.c.job_id == _JOB, _OPEN_SQL, tasks.c.targeted == sa.false(), tasks.c.deadline > _NOW
+            )
+        )
+        self.anything = sa.select(sa.or_(self.held.exists(), targeted.exists(), untargeted.exists()))
+        self.targeted_many = self._targeted_many()
+        self.insert_many = insert.returning(assignments)
+
+    @staticmethod
+    def _targeted_many() -> sa.Select[Any]:
+        """Each (device, job)'s oldest claimable task targeted at the device, with its lowest free slot."""
+        ranked = (
+            sa.select(
+                task_targets.c.device_id,
+                tasks.c.task_id,
+                tasks.c.job_id,
+                sa.func.row_number()
+                .over(
+                    partition_by=(task_targets.c.device_id, tasks.c.job_id),
+                    order_by=(tasks.c.created_at, tasks.c.task_id),
+                )
+                .label("rank"),
+            )
+            .select_from(task_targets.join(tasks, tasks.c.task_id == task_targets.c.task_id))
+            .where(
+                task_targets.c.device_id.in_(_DEVICES),
+                tasks.c.job_id.in_(_JOBS),
+                _OPEN_SQL,
+                tasks.c.deadline > _NOW,
+                ~_has_assignment(tasks.c.task_id, task_targets.c.device_id),
+                _has_free_slot(tasks.c.task_id, tasks.c.slots),
+            )
+            .subquery("ranked")
+        )
+        return sa.select(
+            ranked.c.device_id, ranked.c.task_id, ranked.c.job_id, _lowest_free_slot(ranked.c.task_id)
+        ).where(ranked.c.rank == 1)
+
+    @staticmethod
+    def _pick(insert: sa.Insert, candidates: sa.Select[Any]) -> Any:
+        pick = candidates.with_only_columns(
+            sa.bindparam("assignment_id", type_=assignments.c.assignment_id.type),
+            tasks.c.task_id,
+            _JOB,
+            _DEVICE,
+            _lowest_free_slot(tasks.c.task_id),
+            sa.literal(_LEASED, assignments.c.state.type),
+            sa.bindparam("lease_expires_at", type_=assignments.c.lease_expires_at.type),
+            _NOW,
+        )
+        return insert.from_select(_COLUMNS, pick).returning(assignments)
+
+
+def claim_batch(
+    statements: ClaimStatements,
+    conn: sa.Connection,
+    requests: Sequence[ClaimRequest],
+    now: datetime,
+    lease: timedelta,
+) -> list[Assignment | None]:
+    """Serve ``requests`` inside the caller's write transaction; None where a device gets nothing.
+
+    A device asking twice in one batch gets the same assignment twice, as it would asking twice in
+    a row (the second ask is a re-delivery).
+    """
+    served: dict[Pair, Assignment | None] = {}
+    pairs = list(dict.fromkeys((r.device_id, r.job_id) for r in requests))
+    for start in range(0, len(pairs), _CHUNK):
+        served.update(_claim_chunk(statements, conn, pairs[start : start + _CHUNK], now, lease))
+    return [served[(r.device_id, r.job_id)] for r in requests]
+
+
+def _claim_chunk(
+    statements: ClaimStatements, conn: sa.Connection, pairs: list[Pair], now: datetime, lease: timedelta
+) -> dict[Pair, Assignment | None]:
+    wanted = set(pairs)
+    ids = {"device_ids": sorted({d for d, _ in pairs}), "job_ids": sorted({j for _, j in pairs}), "now": now}
+    served: dict[Pair, Assignment | None] = {}
+    for row in conn.execute(statements.held_many, ids):
+        pair = (row.device_id, row.job_id)
+        if pair in wanted and pair not in served:  # the oldest lease, as a single re-delivery check
+            served[pair] = rows.assignment(row)
+    if len(served) == len(pairs):
+        return served
+
+    expires = now + lease
+    picks: dict[str, Pair] = {}
+    new_rows: list[dict[str, object]] = []
+    for device_id, task_id, job_id, slot in conn.execute(statements.targeted_many, ids):
+        pair = (device_id, job_id)
+        if pair in wanted and pair not in served:
+            assignment_id = new_id()
+            picks[assignment_id] = pair
+            new_rows.append(
+                {
+                    "assignment_id": assignment_id,
+                    "task_id": task_id,
+                    "job_id": job_id,
+                    "device_id": device_id,
+                    "slot": slot,
+                    "state": _LEASED,
+                    "lease_expires_at": expires,
+                    "created_at": now,
+                }
+            )
+    if new_rows:
+        for row in conn.execute(statements.insert_many, new_rows):
+            served[picks[row.assignment_id]] = rows.assignment(row)
+
+    picked = set(picks.values())
+    untargeted_jobs: dict[str, bool] = {}
+    for pair in pairs:
+        if pair in served:
+            continue
+        device_id, job_id = pair
+        if pair in picked:
+            # Its targeted task went to a concurrent claim: another device took the slot first, or
+            # (with several coordinators) the same device did, and then this is a re-delivery.
+            params = {"device_id": device_id, "job_id": job_id, "now": now}
+            held = conn.execute(statements.held, params).first()
+            served[pair] = (
+                rows.assignment(held)
+                if held is not None
+                else claim_one(statements, conn, device_id, job_id, now, lease)
+            )
+            continue
+        if job_id not in untargeted_jobs:
+            untargeted_jobs[job_id] = bool(
+                conn.execute(statements.any_untargeted, {"job_id": job_id, "now": now}).scalar()
+            )
+        served[pair] = (
+            claim_one(statements, conn, device_id, job_id, now, lease, targeted=False)
+            if untargeted_jobs[job_id]
+            else None
+        )
+    return served
+
+
+def claim_one(
+    statements: ClaimStatements,
+    conn: sa.Connection,
+    device_id: str,
+    job_id: str,
+    now: datetime,
+    lease: timedelta,
+    *,
+    targeted: bool = True,
+) -> Assignment | None:
+    """Claim for one device: INSERT ... SELECT per lookup, looking again after each lost race."""
+    params: dict[str, Any] = {"device_id": device_id, "job_id": job_id, "now": now}
+    insert_params = {**params, "lease_expires_at": now + lease}
+    for candidates, pick in statements.lookups if targeted else [statements.untargeted]:
+        for _ in range(_MAX_LOOKS):
+            insert_params["assignment_id"] = new_id()
+            inserted = conn.execute(pick, insert_params).first()
+            if inserted is not None:
+                return rows.assignment(inserted)
+            # Nothing inserted: either nothing is left, or a concurrent claim took the slot first.
+            if conn.execute(candidates, params).first() is None:
+                break
+            # A concurrent request of the same device may have won meanwhile: it gets that one again.
+            if (row := conn.execute(statements.held, params).first()) is not None:
+                return rows.assignment(row)
+    return None
