@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
-from fedlink.common.errors import Conflict, FedlinkError, InvalidArgument, PermissionDenied
+from fedlink.common.errors import Conflict, FedlinkError, InvalidArgument, NotFound, PermissionDenied
 from fedlink.server.domain import AssignmentState, ReportOutcome, Result, ResultStatus, TaskState, new_id
 from fedlink.server.store import rows
 from fedlink.server.store.core import StoreCore
@@ -57,17 +57,10 @@ class ResultQueries(StoreCore):
         for report in reports:
             if not report.request_id:
                 raise InvalidArgument("a result report needs a request_id")
-
-        async def work(conn: AsyncConnection) -> list[RecordOutcome | FedlinkError]:
-            outcomes: list[RecordOutcome | FedlinkError] = []
-            for report in reports:
-                try:
-                    outcomes.append(await self._record_one(conn, report, now))
-                except FedlinkError as error:
-                    outcomes.append(error)
-            return outcomes
-
-        return await self._db.write(work)
+        if not reports:
+            return []
+        statements = self._result_statements()
+        return await self._db.write_sync(lambda conn: _record_batch(statements, conn, reports, now))
 
     async def record_result(self, report: ResultReport, now: datetime) -> RecordOutcome:
         """Record one report (idempotent); raises what :meth:`record_results` would put in its slot."""
@@ -76,69 +69,12 @@ class ResultQueries(StoreCore):
             raise outcome
         return outcome
 
-    async def _existing(self, conn: AsyncConnection, assignment_id: str) -> Result | None:
-        row = (await conn.execute(sa.select(results).where(results.c.assignment_id == assignment_id))).first()
-        return None if row is None else rows.result(row)
-
-    async def _record_one(self, conn: AsyncConnection, report: ResultReport, now: datetime) -> RecordOutcome:
-        query = (
-            sa.select(assignments, tasks.c.state.label("task_state"), tasks.c.deadline)
-            .join(tasks, tasks.c.task_id == assignments.c.task_id)
-            .where(assignments.c.assignment_id == report.assignment_id)
-        )
-        for _ in range(_MAX_ATTEMPTS):
-            row = await self._fetch_one(conn, query, f"assignment {report.assignment_id}")
-            if row.device_id != report.device_id:
-                raise PermissionDenied(f"assignment {report.assignment_id} belongs to another device")
-            if (existing := await self._existing(conn, report.assignment_id)) is not None:
-                return _same_report(existing, report)
-            stale = _stale_reason(row, now) is not None
-            if stale:
-                # Late work frees nothing it still holds: a LEASED assignment ends as EXPIRED.
-                target = AssignmentState.EXPIRED if row.state == _LEASED else None
-            elif report.status is ResultStatus.SUCCEEDED:
-                target = AssignmentState.COMPLETED
-            else:
-                target = AssignmentState.FAILED
-            if target is not None:
-                moved = await conn.execute(
-                    sa.update(assignments)
-                    .where(
-                        assignments.c.assignment_id == report.assignment_id,
-                        state_is(assignments.c.state, _LEASED),
-                    )
-                    .values(state=target.value)
-                )
-                if moved.rowcount != 1:
-                    continue  # another report or the reaper got there first: judge again
-            inserted = (
-                await conn.execute(
-                    self._db.insert_ignore(results)
-                    .values(
-                        result_id=new_id(),
-                        assignment_id=report.assignment_id,
-                        task_id=row.task_id,
-                        device_id=report.device_id,
-                        status=report.status.value,
-                        payload_sha256=None
-                        if stale or report.status is ResultStatus.FAILED
-                        else report.payload_sha256,
-                        report_digest=report.report_digest,
-                        error_message=report.error_message,
-                        accepted=not stale and report.status is ResultStatus.SUCCEEDED,
-                        stale=stale,
-                        request_id=report.request_id,
-                        created_at=now,
-                    )
-                    .returning(results)
-                )
-            ).first()
-            if inserted is None:
-                continue
-            result = rows.result(inserted)
-            outcome = ReportOutcome.STALE if stale else ReportOutcome.ACCEPTED
-            return RecordOutcome(outcome=outcome, result=result, duplicate=False)
-        raise Conflict(f"assignment {report.assignment_id} changed while its result was being recorded")
+    def _result_statements(self) -> _ResultStatements:
+        statements: _ResultStatements | None = getattr(self, "_results_prepared", None)
+        if statements is None:
+            statements = _ResultStatements(self._db.insert_ignore(results))
+            self._results_prepared = statements
+        return statements
 
     async def list_results(
         self,
@@ -163,3 +99,186 @@ class ResultQueries(StoreCore):
             query = query.where(results.c.accepted.is_(True))
         async with self._db.read() as conn:
             return [rows.result(r) for r in await conn.execute(query)]
+
+
+_IDS = sa.bindparam("assignment_ids", expanding=True, type_=assignments.c.assignment_id.type)
+_ID = sa.bindparam("assignment_id", type_=assignments.c.assignment_id.type)
+# Reports per set-based round trip: IN lists stay far below SQLite's bound-parameter limit.
+_CHUNK = 256
+
+
+class _ResultStatements:
+    """The report path's statements, built once with bind parameters (compiled once, cached)."""
+
+    def __init__(self, insert: sa.Insert) -> None:
+        judged = sa.select(assignments, tasks.c.state.label("task_state"), tasks.c.deadline).join(
+            tasks, tasks.c.task_id == assignments.c.task_id
+        )
+        self.judged_one = judged.where(assignments.c.assignment_id == _ID)
+        self.judged_many = judged.where(assignments.c.assignment_id.in_(_IDS))
+        self.existing_one = sa.select(results).where(results.c.assignment_id == _ID)
+        self.existing_many = sa.select(results).where(results.c.assignment_id.in_(_IDS))
+        leased = state_is(assignments.c.state, _LEASED)
+        target = sa.bindparam("target", type_=assignments.c.state.type)
+        self.move_one = (
+            sa.update(assignments).where(assignments.c.assignment_id == _ID, leased).values(state=target)
+        )
+        self.move_many = (
+            sa.update(assignments)
+            .where(assignments.c.assignment_id.in_(_IDS), leased)
+            .values(state=target)
+            .returning(assignments.c.assignment_id)
+        )
+        self.insert = insert.returning(results)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What one report will write: its assignment's next state (None: unchanged) and its result row."""
+
+    index: int
+    report: ResultReport
+    target: AssignmentState | None
+    row: dict[str, object]
+
+
+def _plan(index: int, report: ResultReport, row: sa.Row[Any], now: datetime) -> _Plan:
+    """Judge a report against its assignment (already checked to be the reporter's, without a result)."""
+    stale = _stale_reason(row, now) is not None
+    target: AssignmentState | None
+    if stale:
+        # Late work frees nothing it still holds: a LEASED assignment ends as EXPIRED.
+        target = AssignmentState.EXPIRED if row.state == _LEASED else None
+    elif report.status is ResultStatus.SUCCEEDED:
+        target = AssignmentState.COMPLETED
+    else:
+        target = AssignmentState.FAILED
+    values: dict[str, object] = {
+        "result_id": new_id(),
+        "assignment_id": report.assignment_id,
+        "task_id": row.task_id,
+        "device_id": report.device_id,
+        "status": report.status.value,
+        "payload_sha256": None if stale or report.status is ResultStatus.FAILED else report.payload_sha256,
+        "report_digest": report.report_digest,
+        "error_message": report.error_message,
+        "accepted": not stale and report.status is ResultStatus.SUCCEEDED,
+        "stale": stale,
+        "request_id": report.request_id,
+        "created_at": now,
+    }
+    return _Plan(index=index, report=report, target=target, row=values)
+
+
+def _recorded(row: sa.Row[Any]) -> RecordOutcome:
+    result = rows.result(row)
+    outcome = ReportOutcome.STALE if result.stale else ReportOutcome.ACCEPTED
+    return RecordOutcome(outcome=outcome, result=result, duplicate=False)
+
+
+def _record_batch(
+    statements: _ResultStatements, conn: sa.Connection, reports: Sequence[ResultReport], now: datetime
+) -> list[RecordOutcome | FedlinkError]:
+    """Record ``reports`` inside the caller's write transaction with a few set-based statements.
+
+    One SELECT of the assignments (with their tasks), one of their existing results, an UPDATE per
+    next assignment state, one multi-row INSERT of results. A report that lost a race (or that
+    repeats an assignment of the same batch) is judged again alone, after the others are written.
+    """
+    outcomes: list[RecordOutcome | FedlinkError | None] = [None] * len(reports)
+    plans, again = _judge(statements, conn, reports, now, outcomes)
+    _write(statements, conn, plans, outcomes)
+    again.extend(p.index for p in plans.values() if outcomes[p.index] is None)
+    for index in sorted(again):
+        try:
+            outcomes[index] = _record_one(statements, conn, reports[index], now)
+        except FedlinkError as error:
+            outcomes[index] = error
+    return [o for o in outcomes if o is not None]
+
+
+def _judge(
+    statements: _ResultStatements,
+    conn: sa.Connection,
+    reports: Sequence[ResultReport],
+    now: datetime,
+    outcomes: list[RecordOutcome | FedlinkError | None],
+) -> tuple[dict[str, _Plan], list[int]]:
+    """Settle what needs no write (errors, retries); plan the rest; list the reports to judge later."""
+    found: dict[str, sa.Row[Any]] = {}
+    existing: dict[str, Result] = {}
+    ids = sorted({r.assignment_id for r in reports})
+    for start in range(0, len(ids), _CHUNK):
+        chunk = {"assignment_ids": ids[start : start + _CHUNK]}
+        found.update((r.assignment_id, r) for r in conn.execute(statements.judged_many, chunk))
+        existing.update(
+            (r.assignment_id, rows.result(r)) for r in conn.execute(statements.existing_many, chunk)
+        )
+    plans: dict[str, _Plan] = {}
+    again: list[int] = []
+    for index, report in enumerate(reports):
+        try:
+            row = found.get(report.assignment_id)
+            if row is None:
+                raise NotFound(f"assignment {report.assignment_id} does not exist")
+            if row.device_id != report.device_id:
+                raise PermissionDenied(f"assignment {report.assignment_id} belongs to another device")
+            if (result := existing.get(report.assignment_id)) is not None:
+                outcomes[index] = _same_report(result, report)
+            elif report.assignment_id in plans:
+                again.append(index)  # judged against the first one's result once that is written
+            else:
+                plans[report.assignment_id] = _plan(index, report, row, now)
+        except FedlinkError as error:
+            outcomes[index] = error
+    return plans, again
+
+
+def _write(
+    statements: _ResultStatements,
+    conn: sa.Connection,
+    plans: dict[str, _Plan],
+    outcomes: list[RecordOutcome | FedlinkError | None],
+) -> None:
+    """Move the assignments (one UPDATE per next state), then insert the results of those that moved."""
+    by_target: dict[AssignmentState, list[str]] = {}
+    for plan in plans.values():
+        if plan.target is not None:
+            by_target.setdefault(plan.target, []).append(plan.report.assignment_id)
+    lost: set[str] = set()
+    for target, moving in by_target.items():
+        moved: set[str] = set()
+        for start in range(0, len(moving), _CHUNK):
+            params = {"assignment_ids": moving[start : start + _CHUNK], "target": target.value}
+            moved.update(conn.execute(statements.move_many, params).scalars())
+        # Another report or the lease reaper got there first: those are judged again.
+        lost.update(a for a in moving if a not in moved)
+    writes = [p.row for a, p in plans.items() if a not in lost]
+    if writes:
+        for row in conn.execute(statements.insert, writes):
+            plan = plans[row.assignment_id]
+            outcomes[plan.index] = _recorded(row)
+
+
+def _record_one(
+    statements: _ResultStatements, conn: sa.Connection, report: ResultReport, now: datetime
+) -> RecordOutcome:
+    """Record one report, judging it again after each race it loses."""
+    params = {"assignment_id": report.assignment_id}
+    for _ in range(_MAX_ATTEMPTS):
+        row = conn.execute(statements.judged_one, params).first()
+        if row is None:
+            raise NotFound(f"assignment {report.assignment_id} does not exist")
+        if row.device_id != report.device_id:
+            raise PermissionDenied(f"assignment {report.assignment_id} belongs to another device")
+        if (existing := conn.execute(statements.existing_one, params).first()) is not None:
+            return _same_report(rows.result(existing), report)
+        plan = _plan(0, report, row, now)
+        if plan.target is not None:
+            moved = conn.execute(statements.move_one, {**params, "target": plan.target.value})
+            if moved.rowcount != 1:
+                continue  # another report or the reaper got there first: judge again
+        inserted = conn.execute(statements.insert, [plan.row]).first()
+        if inserted is not None:
+            return _recorded(inserted)
+    raise Conflict(f"assignment {report.assignment_id} changed while its result was being recorded")
