@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -164,10 +165,11 @@ def test_simulation_equals_real_runner_processes(job_file: Path, tmp_path: Path)
         with np.load(model_file) as npz:
             real = {name: npz[name] for name in npz.files}
     finally:
-        for process in [*runners, serve]:
+        processes: list[subprocess.Popen[Any]] = [*runners, serve]
+        for process in processes:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
-        for process in [*runners, serve]:
+        for process in processes:
             try:
                 process.wait(timeout=20)
             except subprocess.TimeoutExpired:
