@@ -179,3 +179,23 @@ def test_simulation_equals_real_runner_processes(job_file: Path, tmp_path: Path)
     for name, array in simulated.arrays.items():
         np.testing.assert_allclose(real[name], array, rtol=1e-5, atol=1e-7, err_msg=name)
     assert not np.allclose(simulated.arrays["weight"], 0.0), "the model did not learn anything"
+
+
+class RecordsThread(AddPartition):
+    """AddPartition that notes which thread ran each task."""
+
+    def __init__(self) -> None:
+        self.threads: set[str] = set()
+
+    def execute(self, dxo: Any, ctx: Any, abort_signal: Any) -> Any:
+        self.threads.add(threading.current_thread().name)
+        return super().execute(dxo, ctx, abort_signal)
+
+
+def test_task_work_runs_on_the_backend_pool_through_the_runner_worker_seam() -> None:
+    executor = RecordsThread()
+    result = run_simulation(job_with(), 4, runner=executor, backend_config={"num_cpus": 2})
+    assert not result.failures
+    # The local backend's pool, given to every Runner as worker=, not the loop's default executor.
+    assert executor.threads and all(name.startswith("fedlink-sim") for name in executor.threads)
+    assert len(executor.threads) <= 2

@@ -57,11 +57,25 @@ def plot_metrics(metrics: dict[str, list[float]], path: Path) -> None:
 @click.command("simulate")
 @click.argument("job_file", type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--devices", "-n", type=click.IntRange(min=1), required=True, help="Virtual devices to run.")
-@click.option("--backend", default="local", show_default=True, help="Where tasks run: local.")
+@click.option(
+    "--backend",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="Where tasks run: local (threads here) or ray (Ray actors; needs fedlink[ray]).",
+)
+@click.option(
+    "--transport",
+    type=click.Choice(["inprocess", "grpc"]),
+    default="inprocess",
+    show_default=True,
+    help="How devices reach the coordinator: in-process calls, or real gRPC on loopback.",
+)
 @click.option(
     "--backend-config",
     metavar="JSON",
-    help='Backend settings, e.g. \'{"num_cpus": 2, "client_resources": {"num_cpus": 1}}\'.',
+    help='Backend settings, e.g. \'{"num_cpus": 2, "client_resources": {"num_cpus": 1}}\' '
+    "(ray also: address, actor_count).",
 )
 @click.option("--seed", type=int, help="Replaces the job's FedAvg seed (sampling, heterogeneity draws).")
 @click.option(
@@ -82,6 +96,7 @@ def simulate_command(
     job_file: Path,
     devices: int,
     backend: str,
+    transport: str,
     backend_config: str | None,
     seed: int | None,
     jsonl: Path | None,
@@ -105,6 +120,7 @@ def simulate_command(
             job_file,
             devices,
             backend=backend,
+            transport=transport,
             backend_config=_backend_config(backend_config),
             seed=seed,
             store=store if store is not None else ":memory:",
