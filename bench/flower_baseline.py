@@ -9,12 +9,14 @@ What is measured:
 * ``wall_s``: inside the subprocess, from the ``run_simulation`` call to its return; Flower, Ray and
   numpy are imported before. It includes Ray starting and stopping, as Flower's users experience it.
 * ``peak_rss_mb``: this process samples, every 100 ms, the subprocess (Flower's driver) and every
-  process that descends from it or carries its environment tag (Ray's GCS, raylet, the ClientApp actors
-  and other Ray workers, even if re-parented). Each sample is the driver's VmHWM plus the VmRSS of
+  process marked as the run's (an environment tag, or the run's scratch folder as working directory) or
+  descending from one: Ray's GCS, raylet, agents, the ClientApp actors and other workers, even when
+  re-parented. Each sample is the driver's VmHWM plus the VmRSS of
   every other such process; the figure is the largest sample. Pages shared between processes (Ray's
   object store in /dev/shm, shared libraries) are counted once per process that maps them.
 * ``peak_pss_mb``: the largest sum of Pss (``/proc/PID/smaps_rollup``) over the same processes at one
-  sample, driver included, read every 500 ms: shared pages divided among their users, so counted once.
+  sample, driver included, read every 2 s (costly for big processes): shared pages are divided among
+  their users, so counted once.
 * ``driver_hwm_mb``: the driver's own VmHWM at its end, exact.
 
 Flower's telemetry is turned off (``FLWR_TELEMETRY_ENABLED=0``): it would wait on a network the
@@ -49,7 +51,7 @@ TARGET_VERSION = (1, 42)
 RESULT_MARKER = "FLOWER_BASELINE_RESULT "
 TAG_VARIABLE = "FEDLINK_FLOWER_BASELINE_TAG"
 SAMPLE_INTERVAL_S = 0.1
-PSS_EVERY = 5
+PSS_EVERY = 20
 _REQUIRED_FIELDS: dict[str, type | tuple[type, ...]] = {
     "devices": int,
     "floats": int,
@@ -193,12 +195,19 @@ def _pss_kb(pid: int) -> int:
 
 
 class ProcessTree:
-    """The processes of one run: the root, its descendants, and any process carrying the run's tag."""
+    """The processes of one run: the root, processes marked as the run's, and their descendants.
 
-    def __init__(self, root: int, tag: str) -> None:
+    A process is marked by the run's tag in its environment or by the run's scratch folder as its
+    working directory. Both are needed: Ray's agents daemonize (re-parented away from the driver) and
+    overwrite their environment block with their process title, but keep the driver's working directory.
+    """
+
+    def __init__(self, root: int, tag: str, workdir: Path | None = None) -> None:
         self.root = root
         self._tag = f"{TAG_VARIABLE}={tag}".encode()
-        self._tagged: dict[tuple[int, str], bool] = {}  # (pid, start time) → carries the tag
+        self._workdir = str(workdir) if workdir is not None else None
+        self._marked: set[tuple[int, str]] = set()  # (pid, start time): pids are reused
+        self._env_read: set[tuple[int, str]] = set()
 
     def members(self) -> dict[int, str]:
         """The live members now, pid → command name."""
@@ -215,12 +224,11 @@ class ProcessTree:
                 rest = stat[stat.rindex(")") + 2 :].split()
                 parents[pid], starts[pid] = int(rest[1]), rest[19]
                 names[pid] = stat[stat.index("(") + 1 : stat.rindex(")")]
-        found = {pid for pid in parents if pid == self.root or self._carries_tag(pid, starts[pid])}
-        # Descendants too, in case a process cleared its environment.
+        found = {pid for pid in parents if pid == self.root or self._is_marked(pid, starts[pid])}
         children: dict[int, list[int]] = {}
         for pid, parent in parents.items():
             children.setdefault(parent, []).append(pid)
-        stack = [self.root]
+        stack = list(found)
         while stack:
             for child in children.get(stack.pop(), []):
                 if child not in found:
@@ -228,14 +236,23 @@ class ProcessTree:
                     stack.append(child)
         return {pid: names[pid] for pid in found if pid in names}
 
-    def _carries_tag(self, pid: int, start: str) -> bool:
+    def _is_marked(self, pid: int, start: str) -> bool:
         key = (pid, start)
-        if key not in self._tagged:
-            try:
-                self._tagged[key] = self._tag in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                return False  # gone, or not ours to read: not part of the run
-        return self._tagged[key]
+        if key in self._marked:
+            return True
+        try:
+            if key not in self._env_read:
+                # Read once: a process's initial environment does not change.
+                self._env_read.add(key)
+                if self._tag in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    self._marked.add(key)
+                    return True
+            if self._workdir is not None and os.readlink(f"/proc/{pid}/cwd") == self._workdir:
+                self._marked.add(key)
+                return True
+        except OSError:
+            pass  # gone, or not ours to read: not part of the run
+        return False
 
 
 def sample_tree(tree: ProcessTree, memory: TreeMemory, with_pss: bool = True) -> dict[int, str]:
@@ -358,15 +375,15 @@ def run_flower(
         out_path, err_path = Path(scratch) / "stdout", Path(scratch) / "stderr"
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             process = subprocess.Popen(command, stdout=out, stderr=err, env=child_env, cwd=scratch)
-        tree = ProcessTree(process.pid, tag)
+        tree = ProcessTree(process.pid, tag, workdir=Path(scratch).resolve())
         deadline = time.monotonic() + timeout_s
         timed_out = False
         while process.poll() is None:
             if time.monotonic() > deadline:
                 timed_out = True
                 break
-            # Pss walks page tables (about 1 ms per process): every 5th sample keeps the sampler near
-            # 5% of one core instead of 12%, on a machine where Flower uses every core.
+            # Pss walks page tables: 65 ms of CPU for a 7 GB driver. Every 20th sample (2 s) keeps the
+            # sampler from stealing a core Flower needs; RSS comes from the cheap status file each time.
             sample_tree(tree, memory, with_pss=memory.samples % PSS_EVERY == 0)
             time.sleep(SAMPLE_INTERVAL_S)
         leftovers = _stop_run(process, tree, grace_s=0.0 if timed_out else 10.0)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -145,58 +146,80 @@ def test_the_tolerance_still_catches_an_unweighted_average(devices: int) -> None
 
 
 _HOLDER = """
-import pathlib, subprocess, sys, time
-block = bytearray(int(sys.argv[1]) * 2**20)
+import os, pathlib, subprocess, sys, time
+megabytes, ready, children = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+block = bytearray(megabytes * 2**20)
 block[::4096] = b"x" * len(block[::4096])  # touch every page so it is resident
-if len(sys.argv) > 3:
-    # Through an intermediate that exits at once: the grandchild is re-parented, found only by its tag.
+for child in children:
+    size, child_ready, how = child.split(":")
+    # Through an intermediate that exits at once: the grandchild is re-parented, so only its mark
+    # finds it; "env" keeps the tag in its environment, "cwd" clears the environment and keeps the cwd.
+    env = dict(os.environ) if how == "env" else {"PATH": os.environ["PATH"]}
+    cwd = "/" if how == "env" else None
     spawn = "import subprocess, sys; subprocess.Popen([sys.executable, *sys.argv[1:]])"
-    subprocess.run([sys.executable, "-c", spawn, __file__, *sys.argv[3:]], check=True)
-pathlib.Path(sys.argv[2]).touch()
+    subprocess.run([sys.executable, "-c", spawn, __file__, size, child_ready], env=env, cwd=cwd, check=True)
+pathlib.Path(ready).touch()
 time.sleep(60)
 """
 
 
+@dataclass(frozen=True)
+class Holders:
+    """A root holding 64 MiB; its re-parented grandchildren, one tagged (48 MiB), one in the workdir (32)."""
+
+    root: int
+    tag: str
+    workdir: Path
+    tagged: int
+    in_workdir: int
+
+
 @pytest.fixture
-def tagged_tree(tmp_path: Path) -> Iterator[tuple[int, str, int]]:
-    """(root pid, tag, grandchild pid): the root holds 64 MiB, its re-parented grandchild 48 MiB."""
+def holders(tmp_path: Path) -> Iterator[Holders]:
     script = tmp_path / "holder.py"
     script.write_text(_HOLDER)
+    workdir = (tmp_path / "run").resolve()
+    workdir.mkdir()
     tag = "test-" + os.urandom(6).hex()
-    env = os.environ | {baseline.TAG_VARIABLE: tag}
-    ready = [tmp_path / "root.ready", tmp_path / "grandchild.ready"]
-    command = [sys.executable, str(script), "64", str(ready[0]), "48", str(ready[1])]
-    root = subprocess.Popen(command, env=env)
-    tree = baseline.ProcessTree(root.pid, tag)
+    ready = [tmp_path / name for name in ("root", "tagged", "cwd")]
+    command = [sys.executable, str(script), "64", str(ready[0])]
+    command += [f"48:{ready[1]}:env", f"32:{ready[2]}:cwd"]
+    root = subprocess.Popen(command, env=os.environ | {baseline.TAG_VARIABLE: tag}, cwd=workdir)
+    tree = baseline.ProcessTree(root.pid, tag, workdir)
     try:
         deadline = time.monotonic() + 15
         while not all(path.exists() for path in ready):
             assert time.monotonic() < deadline and root.poll() is None, "the holder processes did not start"
             time.sleep(0.05)
-        grandchild = next(pid for pid in tree.members() if pid != root.pid)
-        yield root.pid, tag, grandchild
+        by_cwd = {pid: os.readlink(f"/proc/{pid}/cwd") for pid in tree.members() if pid != root.pid}
+        tagged = next(pid for pid, cwd in by_cwd.items() if cwd == "/")
+        in_workdir = next(pid for pid, cwd in by_cwd.items() if cwd == str(workdir))
+        yield Holders(root.pid, tag, workdir, tagged, in_workdir)
     finally:
         for pid in tree.members():
             os.kill(pid, signal.SIGKILL)
         root.wait()
 
 
-def test_the_memory_sample_counts_the_root_and_a_reparented_tagged_process(
-    tagged_tree: tuple[int, str, int],
-) -> None:
-    root, tag, grandchild = tagged_tree
-    parent = int(Path(f"/proc/{grandchild}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    assert parent != root, "the grandchild should have been re-parented"
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_the_memory_sample_counts_the_root_and_its_reparented_marked_processes(holders: Holders) -> None:
+    assert holders.root not in (_parent(holders.tagged), _parent(holders.in_workdir)), "not re-parented"
     memory = baseline.TreeMemory()
-    members = baseline.sample_tree(baseline.ProcessTree(root, tag), memory)
-    assert members.keys() == {root, grandchild}
-    # 64 + 48 MiB held, plus two interpreters; the other processes on the machine are not counted.
-    assert 112 * 2**20 < memory.peak_rss_bytes < 400 * 2**20, memory
-    assert 100 * 2**20 < memory.peak_pss_bytes <= memory.peak_rss_bytes, memory
-    assert memory.max_processes == 2 and memory.samples == 1
+    members = baseline.sample_tree(baseline.ProcessTree(holders.root, holders.tag, holders.workdir), memory)
+    assert members.keys() == {holders.root, holders.tagged, holders.in_workdir}
+    # 64 + 48 + 32 MiB held, plus three interpreters; the other processes on the machine are not counted.
+    assert 144 * 2**20 < memory.peak_rss_bytes < 500 * 2**20, memory
+    assert 130 * 2**20 < memory.peak_pss_bytes <= memory.peak_rss_bytes, memory
+    assert memory.max_processes == 3 and memory.samples == 1
 
 
-def test_an_untagged_process_outside_the_tree_is_not_counted(tagged_tree: tuple[int, str, int]) -> None:
-    root, _, grandchild = tagged_tree
-    members = baseline.ProcessTree(root, "another-run").members()
-    assert grandchild not in members and members.keys() == {root}, members
+def test_each_mark_alone_finds_its_process(holders: Holders) -> None:
+    by_tag = baseline.ProcessTree(holders.root, holders.tag).members()
+    assert by_tag.keys() == {holders.root, holders.tagged}, by_tag
+    by_workdir = baseline.ProcessTree(holders.root, "another-run", holders.workdir).members()
+    assert by_workdir.keys() == {holders.root, holders.in_workdir}, by_workdir
+    unmarked = baseline.ProcessTree(holders.root, "another-run").members()
+    assert unmarked.keys() == {holders.root}, unmarked
