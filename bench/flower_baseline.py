@@ -222,6 +222,8 @@ class ProcessTree:
                 stat = Path(f"/proc/{pid}/stat").read_text()
                 # The command name may hold spaces and parentheses: the fields follow the last ')'.
                 rest = stat[stat.rindex(")") + 2 :].split()
+                if rest[0] == "Z":
+                    continue  # a zombie holds no memory and cannot be killed; its parent reaps it
                 parents[pid], starts[pid] = int(rest[1]), rest[19]
                 names[pid] = stat[stat.index("(") + 1 : stat.rindex(")")]
         found = {pid for pid in parents if pid == self.root or self._is_marked(pid, starts[pid])}
