@@ -294,32 +294,47 @@ class DeviceProtocol:
         """Offers the oldest pending or running job the device may take part in."""
         check_protocol_version(protocol_version)
         info = device_info or device.device_info
-        candidates: list[Job] = []
-        finished_with_name = False
-        token = ""
-        while True:
-            page = await self._store.list_jobs(page_size=200, page_token=token)
-            for job in page.items:
-                if job_name and job.name != job_name:
-                    continue
-                if job.state in _FINAL_JOB_STATES:
-                    finished_with_name = finished_with_name or bool(job_name)
-                    continue
-                if selector_matches(job.device_selector, info):
-                    candidates.append(job)
-            token = page.next_page_token
-            if not token:
-                break
+        candidates = [
+            job
+            for state in (JobState.RUNNING, JobState.PENDING)
+            for job in await self._jobs_in(state)
+            if (not job_name or job.name == job_name) and selector_matches(job.device_selector, info)
+        ]
         if candidates:
             job = min(candidates, key=lambda j: j.created_at)
             return JobReply(status=DeviceStatus.OK, job=job)
-        if finished_with_name:
+        if job_name and await self._job_named_is_over(job_name):
             return JobReply(status=DeviceStatus.DONE, message=f"job {job_name!r} is over")
         return JobReply(
             status=DeviceStatus.NO_JOB,
             retry_after=self._config.job_retry_after,
             message="no job for this device now",
         )
+
+    async def _jobs_in(self, state: JobState) -> list[Job]:
+        # Only live jobs are read: a coordinator's history of finished jobs does not slow GetJob.
+        jobs: list[Job] = []
+        token = ""
+        while True:
+            page = await self._store.list_jobs(page_size=200, page_token=token, state=state)
+            jobs.extend(page.items)
+            token = page.next_page_token
+            if not token:
+                return jobs
+
+    async def _job_named_is_over(self, name: str) -> bool:
+        """True if a job of this name exists and every job of this name is final (rare: walks history)."""
+        token, seen = "", False
+        while True:
+            page = await self._store.list_jobs(page_size=200, page_token=token)
+            for job in page.items:
+                if job.name == name:
+                    if job.state not in _FINAL_JOB_STATES:
+                        return False
+                    seen = True
+            token = page.next_page_token
+            if not token:
+                return seen
 
     # ---- tasks ----
     async def get_task(
