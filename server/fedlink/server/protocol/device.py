@@ -47,6 +47,8 @@ from fedlink.server.store import ClaimRequest, RecordOutcome, ResultReport, Stat
 
 #: Task payloads kept in memory (a few global models: the current round's and the last ones).
 _PAYLOAD_CACHE = 4
+#: Tasks kept in memory: a round's worth for many thousands of devices.
+_TASK_CACHE = 100_000
 _FINAL_JOB_STATES = frozenset({JobState.FINISHED, JobState.FAILED, JobState.ABORTED})
 
 
@@ -225,6 +227,7 @@ class DeviceProtocol:
         self._reports: Batcher[_StagedReport, RecordOutcome] = Batcher(self._report_batch)
         self._seen: set[str] = set()
         self._payloads: dict[str, TaskPayload] = {}
+        self._tasks: dict[str, Task] = {}
         self._accepting = True
 
     # ---- lifecycle ----
@@ -374,7 +377,7 @@ class DeviceProtocol:
         return list(await self._store.claim_tasks(requests, self._clock.now(), self._config.lease))
 
     async def _task_reply(self, device: Device, job_id: str, assignment: Assignment) -> TaskReply:
-        task = await self._store.get_task(assignment.task_id)
+        task = await self._task(assignment.task_id)
         payload = None if task.payload_sha256 is None else await self._payload(task.payload_sha256)
         cookie = self._signer.sign(
             Cookie(device_id=device.device_id, job_id=job_id, assignment_id=assignment.assignment_id)
@@ -382,6 +385,17 @@ class DeviceProtocol:
         return TaskReply(
             status=DeviceStatus.OK, task=task, assignment=assignment, payload=payload, cookie=cookie
         )
+
+    async def _task(self, task_id: str) -> Task:
+        # What the protocol reads of a task (name, payload, job) never changes; its state is checked
+        # by the store where it matters (claims, reports), so a cached copy saves a read per call.
+        task = self._tasks.get(task_id)
+        if task is None:
+            task = await self._store.get_task(task_id)
+            if len(self._tasks) >= _TASK_CACHE:
+                self._tasks.pop(next(iter(self._tasks)))
+            self._tasks[task_id] = task
+        return task
 
     async def _payload(self, sha256: str) -> TaskPayload:
         # Every device of a round gets the same model: read it from the blob store once.
@@ -425,7 +439,7 @@ class DeviceProtocol:
     async def report_result(self, device: Device, report: ResultInput) -> ReportReply:
         """Validates and durably records a device's result; OK only once it is stored."""
         assignment = await self._held_assignment(device, report.job_id, report.task_id, report.cookie)
-        task = await self._store.get_task(assignment.task_id)
+        task = await self._task(assignment.task_id)
         try:
             payload_sha, inline = await self._stage_payload(task, report)
         except InvalidArgument:
@@ -523,7 +537,7 @@ class DeviceProtocol:
             )
         except LeaseLost:
             return LeaseReply(status=await self._stale_or_done(job_id))
-        task = await self._store.get_task(assignment.task_id)
+        task = await self._task(assignment.task_id)
         self._listener.result_recorded(job_id, task)
         self._notifier.notify(job_id)
         return LeaseReply(status=DeviceStatus.OK)
