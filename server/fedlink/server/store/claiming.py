@@ -231,6 +231,14 @@ def claim_batch(
 def _claim_chunk(
     statements: ClaimStatements, conn: sa.Connection, pairs: list[Pair], now: datetime, lease: timedelta
 ) -> dict[Pair, Assignment | None]:
+    if len(pairs) == 1:
+        # Alone, the per-request way takes one statement fewer (the lookup is the INSERT ... SELECT).
+        ((device_id, job_id),) = pairs
+        params = {"device_id": device_id, "job_id": job_id, "now": now}
+        held = conn.execute(statements.held, params).first()
+        if held is not None:
+            return {pairs[0]: rows.assignment(held)}
+        return {pairs[0]: claim_one(statements, conn, device_id, job_id, now, lease)}
     wanted = set(pairs)
     ids = {"device_ids": sorted({d for d, _ in pairs}), "job_ids": sorted({j for _, j in pairs}), "now": now}
     served: dict[Pair, Assignment | None] = {}
