@@ -251,12 +251,17 @@ class ProcessWorkload:
         """Claim and report for this worker's devices, ``batch`` devices per store call, until stopped."""
         devices = self.groups[index]
         while not stop.is_set():
+            claimed = 0
             for start in range(0, len(devices), self.batch):
                 chunk = devices[start : start + self.batch]
-                await self._cycle(chunk, counters)
-            self.passes[index] += 1
+                claimed += await self._cycle(chunk, counters)
+            if claimed:
+                self.passes[index] += 1
+            else:
+                # Ahead of the refiller: a pass that found nothing must not let it close rounds not done.
+                await asyncio.sleep(0.005)
 
-    async def _cycle(self, chunk: Sequence[str], counters: Counters) -> None:
+    async def _cycle(self, chunk: Sequence[str], counters: Counters) -> int:
         now = datetime.now(UTC)
         if len(chunk) == 1:
             claimed = [await self.store.claim_task(chunk[0], self.job_id, now, LEASE)]
@@ -290,6 +295,7 @@ class ProcessWorkload:
         _add(counters.empty, len(claimed) - len(held))
         _add(counters.results, accepted)
         _add(counters.errors, len(outcomes) - accepted)
+        return len(held)
 
 
 def _add(value: Synchronized[int], amount: int) -> None:
