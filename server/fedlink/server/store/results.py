@@ -111,13 +111,24 @@ class _ResultStatements:
     """The report path's statements, built once with bind parameters (compiled once, cached)."""
 
     def __init__(self, insert: sa.Insert) -> None:
-        judged = sa.select(assignments, tasks.c.state.label("task_state"), tasks.c.deadline).join(
-            tasks, tasks.c.task_id == assignments.c.task_id
+        # An assignment, its task, and its result if it has one (results.* is NULL otherwise): what a
+        # report is judged by, in one statement. The assignment's own columns carry an a_ prefix.
+        judged: sa.Select[Any] = sa.select(
+            *results.c,
+            assignments.c.assignment_id.label("a_assignment_id"),
+            assignments.c.device_id.label("a_device_id"),
+            assignments.c.task_id.label("a_task_id"),
+            assignments.c.state,
+            assignments.c.lease_expires_at,
+            tasks.c.state.label("task_state"),
+            tasks.c.deadline,
+        ).select_from(
+            assignments.join(tasks, tasks.c.task_id == assignments.c.task_id).outerjoin(
+                results, results.c.assignment_id == assignments.c.assignment_id
+            )
         )
         self.judged_one = judged.where(assignments.c.assignment_id == _ID)
         self.judged_many = judged.where(assignments.c.assignment_id.in_(_IDS))
-        self.existing_one = sa.select(results).where(results.c.assignment_id == _ID)
-        self.existing_many = sa.select(results).where(results.c.assignment_id.in_(_IDS))
         leased = state_is(assignments.c.state, _LEASED)
         target = sa.bindparam("target", type_=assignments.c.state.type)
         self.move_one = (
@@ -156,7 +167,7 @@ def _plan(index: int, report: ResultReport, row: sa.Row[Any], now: datetime) -> 
     values: dict[str, object] = {
         "result_id": new_id(),
         "assignment_id": report.assignment_id,
-        "task_id": row.task_id,
+        "task_id": row.a_task_id,
         "device_id": report.device_id,
         "status": report.status.value,
         "payload_sha256": None if stale or report.status is ResultStatus.FAILED else report.payload_sha256,
@@ -181,8 +192,8 @@ def _record_batch(
 ) -> list[RecordOutcome | FedlinkError]:
     """Record ``reports`` inside the caller's write transaction with a few set-based statements.
 
-    One SELECT of the assignments (with their tasks), one of their existing results, an UPDATE per
-    next assignment state, one multi-row INSERT of results. A report that lost a race (or that
+    One SELECT of the assignments (with their tasks and any results they have), an UPDATE per next
+    assignment state, one multi-row INSERT of results. A report that lost a race (or that
     repeats an assignment of the same batch) is judged again alone, after the others are written.
     """
     outcomes: list[RecordOutcome | FedlinkError | None] = [None] * len(reports)
@@ -206,14 +217,10 @@ def _judge(
 ) -> tuple[dict[str, _Plan], list[int]]:
     """Settle what needs no write (errors, retries); plan the rest; list the reports to judge later."""
     found: dict[str, sa.Row[Any]] = {}
-    existing: dict[str, Result] = {}
     ids = sorted({r.assignment_id for r in reports})
     for start in range(0, len(ids), _CHUNK):
         chunk = {"assignment_ids": ids[start : start + _CHUNK]}
-        found.update((r.assignment_id, r) for r in conn.execute(statements.judged_many, chunk))
-        existing.update(
-            (r.assignment_id, rows.result(r)) for r in conn.execute(statements.existing_many, chunk)
-        )
+        found.update((r.a_assignment_id, r) for r in conn.execute(statements.judged_many, chunk))
     plans: dict[str, _Plan] = {}
     again: list[int] = []
     for index, report in enumerate(reports):
@@ -221,10 +228,10 @@ def _judge(
             row = found.get(report.assignment_id)
             if row is None:
                 raise NotFound(f"assignment {report.assignment_id} does not exist")
-            if row.device_id != report.device_id:
+            if row.a_device_id != report.device_id:
                 raise PermissionDenied(f"assignment {report.assignment_id} belongs to another device")
-            if (result := existing.get(report.assignment_id)) is not None:
-                outcomes[index] = _same_report(result, report)
+            if row.result_id is not None:
+                outcomes[index] = _same_report(rows.result(row), report)
             elif report.assignment_id in plans:
                 again.append(index)  # judged against the first one's result once that is written
             else:
@@ -269,10 +276,10 @@ def _record_one(
         row = conn.execute(statements.judged_one, params).first()
         if row is None:
             raise NotFound(f"assignment {report.assignment_id} does not exist")
-        if row.device_id != report.device_id:
+        if row.a_device_id != report.device_id:
             raise PermissionDenied(f"assignment {report.assignment_id} belongs to another device")
-        if (existing := conn.execute(statements.existing_one, params).first()) is not None:
-            return _same_report(rows.result(existing), report)
+        if row.result_id is not None:
+            return _same_report(rows.result(row), report)
         plan = _plan(0, report, row, now)
         if plan.target is not None:
             moved = conn.execute(statements.move_one, {**params, "target": plan.target.value})
