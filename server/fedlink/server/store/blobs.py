@@ -127,9 +127,9 @@ class SqlBlobStore:
         wanted = {ref.sha256: data for ref, data in zip(refs, datas, strict=True)}
         if not wanted:
             return refs
-        query = sa.select(blobs.c.sha256).where(blobs.c.sha256.in_(list(wanted)))
+        query = sa.select(blobs.c.sha256)
         async with self._db.read() as conn:
-            present = set((await conn.execute(query)).scalars())
+            present = set((await conn.execute(query.where(blobs.c.sha256.in_(list(wanted))))).scalars())
         items = [(sha, data) for sha, data in wanted.items() if sha not in present]
         if not items:
             return refs
@@ -137,11 +137,11 @@ class SqlBlobStore:
         now = self._clock.now()
 
         async def work(conn: AsyncConnection) -> None:
-            fresh = [
-                (sha, data)
-                for sha, data in items
-                if await self._blob_row(conn, sha) is None  # a concurrent writer may have won
-            ]
+            # A concurrent writer may have stored some meanwhile: one look for all of them.
+            stored = set(
+                (await conn.execute(query.where(blobs.c.sha256.in_([sha for sha, _ in items])))).scalars()
+            )
+            fresh = [(sha, data) for sha, data in items if sha not in stored]
             await self._bytes.insert_objects(conn, fresh)
             if fresh:
                 await conn.execute(
