@@ -42,6 +42,7 @@ from fedlink.server.domain import (
 from fedlink.server.protocol.batching import Batcher
 from fedlink.server.protocol.cookies import Cookie, CookieSigner
 from fedlink.server.protocol.notify import TaskNotifier
+from fedlink.server.protocol.reads import JobReads, remember
 from fedlink.server.protocol.results import ResultValidator
 from fedlink.server.store import ClaimRequest, RecordOutcome, ResultReport, StateStore
 
@@ -49,6 +50,10 @@ from fedlink.server.store import ClaimRequest, RecordOutcome, ResultReport, Stat
 _PAYLOAD_CACHE = 4
 #: Tasks kept in memory: a round's worth for many thousands of devices.
 _TASK_CACHE = 100_000
+#: Assignments handed out by this coordinator kept in memory (for the report's ownership check).
+_ASSIGNMENT_CACHE = 100_000
+#: Uncached tasks in one claim batch from which the whole round's tasks are read at once.
+_ROUND_PREFETCH_MIN = 8
 _FINAL_JOB_STATES = frozenset({JobState.FINISHED, JobState.FAILED, JobState.ABORTED})
 
 
@@ -224,10 +229,13 @@ class DeviceProtocol:
         #: Told "accepted", "failed", "stale" or "rejected" per report (metrics).
         self._on_outcome = on_outcome or (lambda outcome: None)
         self._claims: Batcher[ClaimRequest, Assignment | None] = Batcher(self._claim_batch)
+        self._reads = JobReads(store)  # a round's devices read their job at once: one read serves them
         self._reports: Batcher[_StagedReport, RecordOutcome] = Batcher(self._report_batch)
         self._seen: set[str] = set()
-        self._payloads: dict[str, TaskPayload] = {}
+        self._payloads: dict[str, asyncio.Future[TaskPayload]] = {}
         self._tasks: dict[str, Task] = {}
+        self._prefetched_rounds: set[tuple[str, int]] = set()
+        self._assignments: dict[str, Assignment] = {}
         self._accepting = True
 
     # ---- lifecycle ----
@@ -316,14 +324,7 @@ class DeviceProtocol:
 
     async def _jobs_in(self, state: JobState) -> list[Job]:
         # Only live jobs are read: a coordinator's history of finished jobs does not slow GetJob.
-        jobs: list[Job] = []
-        token = ""
-        while True:
-            page = await self._store.list_jobs(page_size=200, page_token=token, state=state)
-            jobs.extend(page.items)
-            token = page.next_page_token
-            if not token:
-                return jobs
+        return await self._reads.in_state(state)
 
     async def _job_named_is_over(self, name: str) -> bool:
         """True if a job of this name exists and every job of this name is final (rare: walks history)."""
@@ -346,7 +347,7 @@ class DeviceProtocol:
         """Hands out the device's next task of the job, waiting up to ``wait`` for one."""
         if cookie:
             await self._verify_cookie(cookie, device, job_id)
-        job = await self._store.get_job(job_id)
+        job = await self._reads.job(job_id)
         if job.state in _FINAL_JOB_STATES:
             return TaskReply(status=DeviceStatus.DONE)
         if not selector_matches(job.device_selector, device.device_info):
@@ -355,11 +356,13 @@ class DeviceProtocol:
         budget = min(requested, self._config.max_task_wait).total_seconds()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
+        notified = False
         while self._accepting:
             waiter = self._notifier.waiter(job_id, device.device_id)
             # Most polls find nothing: find that out with a read, and claim (a write) only when there
-            # is something to claim.
-            if await self._store.has_claimable(device.device_id, job_id, self._clock.now()):
+            # is something to claim. A device just woken by a notification (a task offered to it)
+            # claims at once: the read would only confirm it, and claims are batched.
+            if notified or await self._store.has_claimable(device.device_id, job_id, self._clock.now()):
                 request = ClaimRequest(device_id=device.device_id, job_id=job_id)
                 assignment = await self._claims.submit(request)
                 if assignment is not None:
@@ -367,14 +370,34 @@ class DeviceProtocol:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 break
-            await waiter.wait(remaining)
-            job = await self._store.get_job(job_id)
+            notified = await waiter.wait(remaining)
+            job = await self._reads.job(job_id)
             if job.state in _FINAL_JOB_STATES:
                 return TaskReply(status=DeviceStatus.DONE)
         return TaskReply(status=DeviceStatus.RETRY, retry_after=timedelta(seconds=1))
 
     async def _claim_batch(self, requests: Sequence[ClaimRequest]) -> list[Assignment | BaseException | None]:
-        return list(await self._store.claim_tasks(requests, self._clock.now(), self._config.lease))
+        claimed: list[Assignment | BaseException | None] = list(
+            await self._store.claim_tasks(requests, self._clock.now(), self._config.lease)
+        )
+        assignments = [a for a in claimed if isinstance(a, Assignment)]
+        for assignment in assignments:
+            remember(self._assignments, assignment.assignment_id, assignment, _ASSIGNMENT_CACHE)
+        missing = [a.task_id for a in assignments if a.task_id not in self._tasks]
+        if len(missing) >= _ROUND_PREFETCH_MIN:
+            await self._prefetch_round(missing[0])
+        return claimed
+
+    async def _prefetch_round(self, task_id: str) -> None:
+        """Reads all tasks of ``task_id``'s round in one go (once per round): a round's devices claim
+        together, and reading their tasks one by one costs a store read per device."""
+        task = await self._task(task_id)
+        key = (task.run_id, task.round)
+        if key in self._prefetched_rounds:
+            return
+        self._prefetched_rounds.add(key)
+        for other in await self._store.list_tasks(task.run_id, round=task.round):
+            remember(self._tasks, other.task_id, other, _TASK_CACHE)
 
     async def _task_reply(self, device: Device, job_id: str, assignment: Assignment) -> TaskReply:
         task = await self._task(assignment.task_id)
@@ -392,31 +415,38 @@ class DeviceProtocol:
         task = self._tasks.get(task_id)
         if task is None:
             task = await self._store.get_task(task_id)
-            if len(self._tasks) >= _TASK_CACHE:
-                self._tasks.pop(next(iter(self._tasks)))
-            self._tasks[task_id] = task
+            remember(self._tasks, task_id, task, _TASK_CACHE)
         return task
 
     async def _payload(self, sha256: str) -> TaskPayload:
-        # Every device of a round gets the same model: read it from the blob store once.
-        payload = self._payloads.get(sha256)
-        if payload is None:
-            blob = await self._store.blobs.stat(sha256)
-            inline = None
-            if blob.size_bytes <= self._config.inline_payload_bytes:
-                inline = await self._store.blobs.read(sha256)
-            payload = TaskPayload(sha256=blob.sha256, size_bytes=blob.size_bytes, inline=inline)
+        # Every device of a round gets the same model: read it from the blob store once. The devices
+        # of a round ask together, so the first asker's read is shared (a future), not repeated.
+        pending = self._payloads.get(sha256)
+        if pending is None:
+            pending = asyncio.ensure_future(self._read_payload(sha256))
             if len(self._payloads) >= _PAYLOAD_CACHE:
                 self._payloads.pop(next(iter(self._payloads)))
-            self._payloads[sha256] = payload
-        return payload
+            self._payloads[sha256] = pending
+        try:
+            return await asyncio.shield(pending)
+        except Exception:
+            if self._payloads.get(sha256) is pending:
+                del self._payloads[sha256]  # a failed read is not kept: the next asker tries again
+            raise
+
+    async def _read_payload(self, sha256: str) -> TaskPayload:
+        blob = await self._store.blobs.stat(sha256)
+        inline = None
+        if blob.size_bytes <= self._config.inline_payload_bytes:
+            inline = await self._store.blobs.read(sha256)
+        return TaskPayload(sha256=blob.sha256, size_bytes=blob.size_bytes, inline=inline)
 
     async def _verify_cookie(self, cookie: bytes, device: Device, job_id: str) -> Cookie:
         try:
             return self._signer.verify(cookie, device_id=device.device_id, job_id=job_id)
         except InvalidArgument:
             # Looked up only on this error path: an unknown job is NOT_FOUND whatever the cookie says.
-            await self._store.get_job(job_id)
+            await self._reads.job(job_id)
             raise
 
     async def _held_assignment(self, device: Device, job_id: str, task_id: str, cookie: bytes) -> Assignment:
@@ -427,7 +457,11 @@ class DeviceProtocol:
             raise InvalidArgument(
                 "this cookie does not hand out a task: use the one GetTask returned with it"
             )
-        assignment = await self._store.get_assignment(said.assignment_id)
+        # Only the assignment's task and device are checked here, and those never change: the one this
+        # coordinator handed out will do. Its state (lease, result) is checked by the store's write.
+        assignment = self._assignments.get(said.assignment_id)
+        if assignment is None:
+            assignment = await self._store.get_assignment(said.assignment_id)
         if assignment.task_id != task_id:
             await self._store.get_task(task_id)  # an unknown task is NOT_FOUND; a known one a mismatch
             raise InvalidArgument(f"the cookie is for task {assignment.task_id}, not {task_id}")
@@ -469,7 +503,7 @@ class DeviceProtocol:
             failed = report.status is ResultStatus.FAILED
             self._on_outcome("stale" if stale else "failed" if failed else "accepted")
         if outcome.outcome is ReportOutcome.STALE:
-            job = await self._store.get_job(report.job_id)
+            job = await self._reads.job(report.job_id)
             status = DeviceStatus.DONE if job.state in _FINAL_JOB_STATES else DeviceStatus.STALE
             return ReportReply(status=status, cookie=next_cookie, message="recorded, not aggregated")
         if not outcome.duplicate:

@@ -8,6 +8,7 @@ result that fails gets INVALID_ARGUMENT and is not stored, so it can never reach
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections import OrderedDict
 from typing import Protocol
@@ -35,7 +36,7 @@ class ModelTaskValidator:
 
     def __init__(self, blobs: BlobStore, *, cache_size: int = 8) -> None:
         self._blobs = blobs
-        self._specs: OrderedDict[str, dict[str, VariableSpec]] = OrderedDict()
+        self._specs: OrderedDict[str, asyncio.Future[dict[str, VariableSpec]]] = OrderedDict()
         self._cache_size = cache_size
 
     async def validate(self, task: Task, result: DXO) -> None:
@@ -51,16 +52,24 @@ class ModelTaskValidator:
         weight_of(result)
 
     async def _spec(self, sha256: str) -> dict[str, VariableSpec]:
-        spec = self._specs.get(sha256)
-        if spec is None:
-            model = DXO.from_bytes(await self._blobs.read(sha256))
-            spec = model_spec(model.data)
-            self._specs[sha256] = spec
+        # A round's results arrive together: the first one's read of the model is shared (a future).
+        pending = self._specs.get(sha256)
+        if pending is None:
+            pending = asyncio.ensure_future(self._read_spec(sha256))
+            self._specs[sha256] = pending
             while len(self._specs) > self._cache_size:
                 self._specs.popitem(last=False)
         else:
             self._specs.move_to_end(sha256)
-        return spec
+        try:
+            return await asyncio.shield(pending)
+        except Exception:
+            if self._specs.get(sha256) is pending:
+                del self._specs[sha256]  # a failed read is not kept: the next result tries again
+            raise
+
+    async def _read_spec(self, sha256: str) -> dict[str, VariableSpec]:
+        return model_spec(DXO.from_bytes(await self._blobs.read(sha256)).data)
 
 
 def check_metrics(result: DXO) -> None:

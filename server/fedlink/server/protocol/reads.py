@@ -1,0 +1,69 @@
+"""Store reads that thousands of concurrent device calls share: the same job, the jobs in one state.
+
+A round's worth of devices woken together all read their job at once; one store read per distinct job
+answers a whole batch. A :class:`~fedlink.server.protocol.batching.Batcher` starts a read only after
+the requests it answers arrived, so every caller still sees the store as it was after its call began.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+from fedlink.common.errors import NotFound
+from fedlink.server.domain import Job, JobState
+from fedlink.server.protocol.batching import Batcher
+from fedlink.server.store import StateStore
+
+_V = TypeVar("_V")
+#: Requests answered by one batch (the distinct keys in it are few: one job, two states).
+_BATCH = 100_000
+#: Page size when listing the jobs in a state.
+_PAGE = 200
+
+
+class JobReads:
+    """Coalesced reads of jobs for the device protocol."""
+
+    def __init__(self, store: StateStore) -> None:
+        self._store = store
+        self._jobs: Batcher[str, Job] = Batcher(self._job_batch, max_batch=_BATCH)
+        self._states: Batcher[JobState, list[Job]] = Batcher(self._state_batch, max_batch=_BATCH)
+
+    async def job(self, job_id: str) -> Job:
+        """The job as the store has it now; NotFound if unknown."""
+        return await self._jobs.submit(job_id)
+
+    async def in_state(self, state: JobState) -> list[Job]:
+        """Every job in ``state`` (all pages)."""
+        return await self._states.submit(state)
+
+    async def _job_batch(self, job_ids: Sequence[str]) -> list[Job | BaseException]:
+        read: dict[str, Job | BaseException] = {}
+        for job_id in dict.fromkeys(job_ids):
+            try:
+                read[job_id] = await self._store.get_job(job_id)
+            except NotFound as exc:
+                read[job_id] = exc
+        return [read[job_id] for job_id in job_ids]
+
+    async def _state_batch(self, states: Sequence[JobState]) -> list[list[Job] | BaseException]:
+        listed = {state: await self._list(state) for state in dict.fromkeys(states)}
+        return [listed[state] for state in states]
+
+    async def _list(self, state: JobState) -> list[Job]:
+        jobs: list[Job] = []
+        token = ""
+        while True:
+            page = await self._store.list_jobs(page_size=_PAGE, page_token=token, state=state)
+            jobs.extend(page.items)
+            token = page.next_page_token
+            if not token:
+                return jobs
+
+
+def remember(cache: dict[str, _V], key: str, value: _V, limit: int) -> None:
+    """Puts ``key`` in a bounded cache, dropping the oldest entry when it is full."""
+    if key not in cache and len(cache) >= limit:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
