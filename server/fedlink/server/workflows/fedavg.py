@@ -7,8 +7,8 @@ that device's part, and a replacement is sampled from the devices not yet asked.
 state lives in the store (tasks, assignments, results), so a restarted coordinator resumes it as it
 was: acknowledged results count once, and no device is asked to redo a task it reported.
 
-Aggregation reads the round's accepted results one at a time in device-id order (the store's
-canonical order) into float64 accumulators: memory grows with the model, not with the results, and
+Aggregation folds the round's accepted results one at a time in device-id order (the store's
+canonical order; the next few are read ahead) into float64 accumulators: memory grows with the model, not with the results, and
 the same results give the same bits.
 """
 
@@ -18,7 +18,8 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -44,6 +45,8 @@ from fedlink.server.workflows.base import WorkflowContext
 
 log = logging.getLogger(__name__)
 
+#: Result blobs read ahead of the one being aggregated.
+_READ_AHEAD = 4
 _LOST = frozenset({AssignmentState.EXPIRED, AssignmentState.RELEASED, AssignmentState.FAILED})
 
 
@@ -388,15 +391,15 @@ class FedAvg:
         spec = model_spec(global_model.data)
         average = WeightedAverage(spec)
         metrics = _MetricAverage()
-        for result in sorted(results, key=lambda r: r.device_id):
-            if result.payload_sha256 is None:
-                continue
-            update = DXO.from_bytes(await ctx.store.blobs.read(result.payload_sha256))
+        ordered = [r.payload_sha256 for r in sorted(results, key=lambda r: r.device_id) if r.payload_sha256]
+        async for update in _read_ahead(ctx, ordered):
             weight = weight_of(update)
             data = update.data
             if update.kind is DataKind.WEIGHTS:  # as a difference, so WEIGHTS and WEIGHT_DIFF mix
-                data = {k: (v.astype(np.float64) - global_model.data[k]) for k, v in data.items()}
-                data = {k: v.astype(spec[k].dtype) for k, v in data.items()}
+                data = {
+                    k: np.subtract(v, global_model.data[k], dtype=np.float64).astype(spec[k].dtype)
+                    for k, v in data.items()
+                }
             average.add(data, weight)
             metrics.add(update.meta, weight)
         new = apply_average(global_model.data, average, is_diff=True)
@@ -423,6 +426,23 @@ class FedAvg:
             scalars = {k: float(v) for k, v in dxo.data.items() if v.size == 1 and v.dtype.kind in "fiu"}
             metrics.add({**scalars, **dxo.meta}, weight)
         return {prefix + k if not k.startswith(prefix) else k: v for k, v in metrics.result().items()}
+
+
+async def _read_ahead(ctx: WorkflowContext, shas: Sequence[str]) -> AsyncIterator[DXO]:
+    """The results' DXOs in the given order, the next few read while the current one is folded in.
+
+    One read at a time would leave the round's close waiting on the store once per result; a small
+    window keeps memory at a few models, not the round's results.
+    """
+    pending: deque[asyncio.Task[bytes]] = deque()
+    try:
+        for index in range(len(shas)):
+            while len(pending) < _READ_AHEAD and index + len(pending) < len(shas):
+                pending.append(asyncio.ensure_future(ctx.store.blobs.read(shas[index + len(pending)])))
+            yield DXO.from_bytes(await pending.popleft())
+    finally:
+        for task in pending:
+            task.cancel()
 
 
 class _MetricAverage:
