@@ -140,8 +140,11 @@ class InProcessTransport(Transport):
         # sampling and aggregation order are the same in every run with the same seed.
         credential = uuid.uuid4().hex + uuid.uuid4().hex
         store = self._hub.core.store
-        await store.enroll_device(device_info, {}, hash_credential(credential), device_id=device_id)
-        self._device = await self._hub.core.device_protocol.authenticate(credential)
+        # The enrolled row is what authenticating the credential would read back: no second read.
+        self._device = await store.enroll_device(
+            device_info, {}, hash_credential(credential), device_id=device_id
+        )
+        self._hub.core.device_protocol.note_seen(device_id)
         return credential
 
     async def open(self) -> None:
