@@ -170,6 +170,10 @@ def _num(value: object, fmt: str) -> str:
     return format(value, fmt) if isinstance(value, int | float) else "-"
 
 
+def _ratio_text(value: object) -> str:
+    return _num(value, ".1f") + "x" if isinstance(value, int | float) else "-"
+
+
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """The comparison as a plain-text table, one line per configuration."""
     header = (
@@ -184,7 +188,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
         ]
         lines.append(
             f"{row['devices']:>7} {row['floats']:>9} | {_num(fl.get('wall_s'), '9.2f')} "
-            f"{_num(fw.get('wall_s'), '9.2f')} {_num(row['wall_ratio'], '8.1f') + 'x':>9} | "
+            f"{_num(fw.get('wall_s'), '9.2f')} {_ratio_text(row['wall_ratio']):>9} | "
             f"{_num(fl.get('peak_rss_mb'), '10.0f')} {_num(fw.get('peak_rss_mb'), '10.0f')} "
             f"{_num(row['memory_ratio'], '9.3f')} | {'; '.join(problems) or 'yes'}"
         )
