@@ -23,12 +23,13 @@ from datetime import timedelta
 
 from fedlink.common.dxo import DXO
 from fedlink.common.errors import FailedPrecondition
+from fedlink.common.status import DeviceStatus
 from fedlink.common.version import PROTOCOL_VERSION
 from fedlink.runner.transport.base import Ack, JobOffer, LeaseAck, ResultReport, Status, TaskOffer, Transport
 from fedlink.server.core import CoordinatorCore
 from fedlink.server.credentials import hash_credential
 from fedlink.server.domain import Device, ResultStatus
-from fedlink.server.protocol.device import DeviceStatus, ResultInput, TaskReply
+from fedlink.server.protocol.device import ResultInput, TaskReply
 from fedlink.simulation.heterogeneity import DeviceRound, Heterogeneity
 
 __all__ = ["DeviceHub", "InProcessTransport", "LiveCounts"]

@@ -7,13 +7,13 @@ as a :class:`Status` in the reply; faults are raised as :mod:`fedlink.common.err
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import TracebackType
 
 from fedlink.common.dxo import DXO
+from fedlink.common.status import DeviceStatus
 
 __all__ = [
     "Ack",
@@ -26,15 +26,8 @@ __all__ = [
 ]
 
 
-class Status(enum.StrEnum):
-    """The outcome of a device call when no fault occurred (the proto's ``RunnerStatus``)."""
-
-    OK = "OK"
-    RETRY = "RETRY"
-    NO_JOB = "NO_JOB"
-    NO_TASK = "NO_TASK"
-    DONE = "DONE"
-    STALE = "STALE"
+#: The runner's name for the device protocol's normal outcomes (one enum, shared with the coordinator).
+Status = DeviceStatus
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

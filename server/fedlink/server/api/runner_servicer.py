@@ -6,11 +6,12 @@ from collections.abc import AsyncIterator
 from datetime import UTC
 
 from fedlink.common.errors import InvalidArgument
+from fedlink.common.status import DeviceStatus
 from fedlink.common.version import PROTOCOL_VERSION
 from fedlink.server.api.rpc import Call
 from fedlink.server.api.uploads import receive_stream, upload_status
 from fedlink.server.domain import Device, ResultStatus
-from fedlink.server.protocol.device import DeviceProtocol, DeviceStatus, ResultInput, TaskReply
+from fedlink.server.protocol.device import DeviceProtocol, ResultInput, TaskReply
 from fedlink.server.protocol.transfers import send_blob
 from fedlink.server.store import BlobStore
 from fedlink.v1 import dxo_pb2, states_pb2

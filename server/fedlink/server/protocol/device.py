@@ -9,7 +9,6 @@ fedlink errors (mapped to gRPC status codes in one place).
 from __future__ import annotations
 
 import asyncio
-import enum
 import hashlib
 import hmac
 import json
@@ -26,6 +25,7 @@ from fedlink.common.errors import (
     ResourceExhausted,
     Unauthenticated,
 )
+from fedlink.common.status import DeviceStatus
 from fedlink.common.version import PROTOCOL_VERSION
 from fedlink.server.credentials import hash_credential
 from fedlink.server.domain import (
@@ -55,17 +55,6 @@ _ASSIGNMENT_CACHE = 100_000
 #: Uncached tasks in one claim batch from which the whole round's tasks are read at once.
 _ROUND_PREFETCH_MIN = 8
 _FINAL_JOB_STATES = frozenset({JobState.FINISHED, JobState.FAILED, JobState.ABORTED})
-
-
-class DeviceStatus(enum.StrEnum):
-    """The outcome of a device RPC when no fault occurred (the proto's RunnerStatus)."""
-
-    OK = "OK"
-    RETRY = "RETRY"
-    NO_JOB = "NO_JOB"
-    NO_TASK = "NO_TASK"
-    DONE = "DONE"
-    STALE = "STALE"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
