@@ -133,8 +133,10 @@ class ClaimStatements:
                 tasks.c.job_id == _JOB,
                 _OPEN_SQL,
                 tasks.c.deadline > _NOW,
-                ~_has_assignment(tasks.c.task_id, _DEVICE),
-                _has_free_slot(tasks.c.task_id, tasks.c.slots),
+                # On task_targets' columns, so SQLite runs these subqueries only for the device's own
+                # tasks when it walks the job's open tasks and probes their targets.
+                ~_has_assignment(task_targets.c.task_id, _DEVICE),
+                _has_free_slot(task_targets.c.task_id, tasks.c.slots),
             )
             .order_by(tasks.c.created_at, tasks.c.task_id)
             .limit(1)
@@ -185,8 +187,9 @@ class ClaimStatements:
                 tasks.c.job_id.in_(_JOBS),
                 _OPEN_SQL,
                 tasks.c.deadline > _NOW,
-                ~_has_assignment(tasks.c.task_id, task_targets.c.device_id),
-                _has_free_slot(tasks.c.task_id, tasks.c.slots),
+                # On task_targets' columns: see the single lookup above.
+                ~_has_assignment(task_targets.c.task_id, task_targets.c.device_id),
+                _has_free_slot(task_targets.c.task_id, tasks.c.slots),
             )
             .subquery("ranked")
         )
