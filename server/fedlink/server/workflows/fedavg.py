@@ -8,8 +8,8 @@ state lives in the store (tasks, assignments, results), so a restarted coordinat
 was: acknowledged results count once, and no device is asked to redo a task it reported.
 
 Aggregation folds the round's accepted results one at a time in device-id order (the store's
-canonical order; the next few are read ahead) into float64 accumulators: memory grows with the model, not with the results, and
-the same results give the same bits.
+canonical order; the next few are read ahead) into float64 accumulators: memory grows with the model,
+not with the results, and the same results give the same bits.
 """
 
 from __future__ import annotations
