@@ -124,6 +124,10 @@ class Database:
         self._write_engine = self.engine.execution_options(**{_WRITE_OPTION: True})
         # Built on first use of write_sync: only a SQLite file gets its own writer thread.
         self._sync_writer: tuple[sa.Engine, ThreadPoolExecutor] | None = None
+        # Callers queue here for a pooled connection instead of failing with the pool's checkout
+        # timeout when thousands of long polls read at once (SQLite file: QueuePool 5 + 10 overflow).
+        capacity = 15 if self.is_sqlite else 2 * pool_size
+        self._slots = contextlib.nullcontext() if self._memory else asyncio.Semaphore(capacity)
 
     def insert_ignore(self, table: sa.Table) -> Any:
         """``INSERT ... ON CONFLICT DO NOTHING`` into ``table`` for this database's dialect."""
@@ -139,7 +143,7 @@ class Database:
             async with self._write_lock, self.engine.begin() as conn:
                 yield conn
         else:
-            async with self.engine.begin() as conn:
+            async with self._slots, self.engine.begin() as conn:
                 yield conn
 
     async def write(self, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
@@ -147,9 +151,9 @@ class Database:
         for attempt in range(1, _MAX_ATTEMPTS + 1):
             try:
                 if self._write_lock is not None:
-                    async with self._write_lock, self._write_engine.begin() as conn:
+                    async with self._write_lock, self._slots, self._write_engine.begin() as conn:
                         return await work(conn)
-                async with self._write_engine.begin() as conn:
+                async with self._slots, self._write_engine.begin() as conn:
                     return await work(conn)
             except sa.exc.DBAPIError as exc:
                 if _sqlstate(exc) not in _RETRYABLE_SQLSTATES or attempt == _MAX_ATTEMPTS:
