@@ -51,9 +51,19 @@ def _handlers(stream_file: Path | None) -> grpc.GenericRpcHandler:
 
 
 async def serve(ready_file: Path, stream_file: Path | None) -> None:
-    """Serves until SIGTERM or SIGINT, after writing ``{"address": ...}`` to ``ready_file``."""
-    server = grpc.aio.server(options=server_options())
-    server.add_generic_rpc_handlers((_handlers(stream_file),))
+    """Serves the echo handlers until SIGTERM or SIGINT (see :func:`serve_until_signalled`)."""
+    await serve_until_signalled(_handlers(stream_file), server_options(), ready_file)
+
+
+async def serve_until_signalled(
+    handlers: grpc.GenericRpcHandler, options: list[tuple[str, int]], ready_file: Path
+) -> None:
+    """Serves ``handlers`` on a free loopback port until SIGTERM or SIGINT.
+
+    Writes ``{"address": ...}`` to ``ready_file`` once listening, for the parent process to read.
+    """
+    server = grpc.aio.server(options=options)
+    server.add_generic_rpc_handlers((handlers,))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     stop = asyncio.Event()

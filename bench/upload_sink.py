@@ -9,14 +9,13 @@ SIGTERM.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
-import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import uvloop
+
+from bench.echo_server import serve_until_signalled
 
 UPLOAD_METHOD = "/bench.Sink/Upload"
 
@@ -36,23 +35,10 @@ def _handlers() -> grpc.GenericRpcHandler:
 
 
 async def serve(ready_file: Path) -> None:
-    """Serves until SIGTERM or SIGINT, after writing ``{"address": ...}`` to ``ready_file``."""
+    """Counts uploads until SIGTERM or SIGINT, after writing ``{"address": ...}`` to ``ready_file``."""
     # The coordinator's options: no port sharing, messages up to 64 MiB.
-    server = grpc.aio.server(
-        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 * 1024**2)]
-    )
-    server.add_generic_rpc_handlers((_handlers(),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    partial = ready_file.with_suffix(".tmp")
-    partial.write_text(json.dumps({"address": f"127.0.0.1:{port}"}))
-    partial.rename(ready_file)  # atomically: the parent never reads half a file
-    await stop.wait()
-    await server.stop(0)
+    options = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 * 1024**2)]
+    await serve_until_signalled(_handlers(), options, ready_file)
 
 
 def main(argv: list[str] | None = None) -> None:
