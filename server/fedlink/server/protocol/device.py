@@ -44,7 +44,7 @@ from fedlink.server.protocol.cookies import Cookie, CookieSigner
 from fedlink.server.protocol.notify import TaskNotifier
 from fedlink.server.protocol.reads import JobReads, remember
 from fedlink.server.protocol.results import ResultValidator
-from fedlink.server.store import ClaimRequest, RecordOutcome, ResultReport, StateStore
+from fedlink.server.store import ClaimRequest, RecordOutcome, ResultReport, StateStore, all_items
 
 #: Task payloads kept in memory (a few global models: the current round's and the last ones).
 _PAYLOAD_CACHE = 4
@@ -317,17 +317,12 @@ class DeviceProtocol:
 
     async def _job_named_is_over(self, name: str) -> bool:
         """True if a job of this name exists and every job of this name is final (rare: walks history)."""
-        token, seen = "", False
-        while True:
-            page = await self._store.list_jobs(page_size=200, page_token=token)
-            for job in page.items:
-                if job.name == name:
-                    if job.state not in _FINAL_JOB_STATES:
-                        return False
-                    seen = True
-            token = page.next_page_token
-            if not token:
-                return seen
+        named = [
+            job
+            for job in await all_items(lambda token: self._store.list_jobs(page_size=200, page_token=token))
+            if job.name == name
+        ]
+        return bool(named) and all(job.state in _FINAL_JOB_STATES for job in named)
 
     # ---- tasks ----
     async def get_task(

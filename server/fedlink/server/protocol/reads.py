@@ -13,7 +13,7 @@ from typing import TypeVar
 from fedlink.common.errors import NotFound
 from fedlink.server.domain import Job, JobState
 from fedlink.server.protocol.batching import Batcher
-from fedlink.server.store import StateStore
+from fedlink.server.store import StateStore, all_items
 
 _V = TypeVar("_V")
 #: Requests answered by one batch (the distinct keys in it are few: one job, two states).
@@ -52,14 +52,9 @@ class JobReads:
         return [listed[state] for state in states]
 
     async def _list(self, state: JobState) -> list[Job]:
-        jobs: list[Job] = []
-        token = ""
-        while True:
-            page = await self._store.list_jobs(page_size=_PAGE, page_token=token, state=state)
-            jobs.extend(page.items)
-            token = page.next_page_token
-            if not token:
-                return jobs
+        return await all_items(
+            lambda token: self._store.list_jobs(page_size=_PAGE, page_token=token, state=state)
+        )
 
 
 def remember(cache: dict[str, _V], key: str, value: _V, limit: int) -> None:

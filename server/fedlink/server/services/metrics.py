@@ -9,7 +9,7 @@ from datetime import timedelta
 from fedlink.common.errors import NotFound
 from fedlink.server.domain import JobState
 from fedlink.server.protocol.results import TRAIN_TASK
-from fedlink.server.store import StateStore
+from fedlink.server.store import StateStore, all_items
 from fedlink.server.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -44,8 +44,10 @@ class MetricsCollector:
         self._telemetry.set_devices(await self._store.count_devices_by_state())
         self._telemetry.set_jobs(await self._store.count_jobs_by_state())
         running: set[str] = set()
-        page = await self._store.list_jobs(page_size=1000, state=JobState.RUNNING)
-        for job in page.items:
+        running_jobs = await all_items(
+            lambda token: self._store.list_jobs(page_size=1000, page_token=token, state=JobState.RUNNING)
+        )
+        for job in running_jobs:
             try:
                 run = await self._store.get_current_run(job.job_id)
             except NotFound:

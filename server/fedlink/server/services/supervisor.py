@@ -15,7 +15,7 @@ from fedlink.common.errors import FedlinkError, InvalidArgument, NotFound
 from fedlink.server.domain import Clock, Job, JobState, Run, RunLeaseHeld, RunState, is_final
 from fedlink.server.protocol.events import JobEvents
 from fedlink.server.protocol.notify import TaskNotifier
-from fedlink.server.store import StateStore
+from fedlink.server.store import StateStore, all_items
 from fedlink.server.workflows.base import Progress, WorkflowContext, workflow_name
 from fedlink.server.workflows.fedavg import FedAvg, FedAvgParams
 
@@ -75,15 +75,9 @@ class JobSupervisor:
 
     async def _scan(self) -> None:
         for state in (JobState.RUNNING, JobState.PENDING):
-            token = ""
-            while True:
-                page = await self._store.list_jobs(page_size=200, page_token=token, state=state)
-                for job in page.items:
-                    if job.job_id not in self._drivers:
-                        self._start(job)
-                token = page.next_page_token
-                if not token:
-                    break
+            for job in await self._jobs_in(state):
+                if job.job_id not in self._drivers:
+                    self._start(job)
         for job_id, task in list(self._drivers.items()):
             if task.done():
                 del self._drivers[job_id]
@@ -92,6 +86,11 @@ class JobSupervisor:
             job = await self._store.get_job(job_id)
             if is_final(job.state):  # aborted by an operator (possibly on another replica)
                 task.cancel()
+
+    async def _jobs_in(self, state: JobState) -> list[Job]:
+        return await all_items(
+            lambda token: self._store.list_jobs(page_size=200, page_token=token, state=state)
+        )
 
     def _start(self, job: Job) -> None:
         self._progress[job.job_id] = Progress()

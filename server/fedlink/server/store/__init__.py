@@ -17,6 +17,7 @@ from fedlink.server.store.protocol import (
     RecordOutcome,
     ResultReport,
     StateStore,
+    all_items,
 )
 from fedlink.server.store.sql import SqlStateStore, create_store, open_store
 
@@ -33,6 +34,7 @@ __all__ = [
     "SqlBlobStore",
     "SqlStateStore",
     "StateStore",
+    "all_items",
     "create_store",
     "current_revision",
     "downgrade",

@@ -8,7 +8,7 @@ others stamp times with the store's injected clock.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Generic, Protocol, TypeVar
@@ -43,6 +43,18 @@ class Page(Generic[T]):
 
     items: Sequence[T]
     next_page_token: str
+
+
+async def all_items(fetch: Callable[[str], Awaitable[Page[T]]]) -> list[T]:
+    """Every item of a paged listing: ``fetch(page_token)`` page after page until the last."""
+    items: list[T] = []
+    token = ""
+    while True:
+        page = await fetch(token)
+        items.extend(page.items)
+        token = page.next_page_token
+        if not token:
+            return items
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

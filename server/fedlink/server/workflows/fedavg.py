@@ -39,7 +39,7 @@ from fedlink.server.domain import (
 )
 from fedlink.server.protocol.device import selector_matches
 from fedlink.server.protocol.results import EVALUATE_TASK, TRAIN_TASK
-from fedlink.server.store import NewTask
+from fedlink.server.store import NewTask, all_items
 from fedlink.server.workflows.aggregation import WeightedAverage, apply_average, model_spec
 from fedlink.server.workflows.base import WorkflowContext
 
@@ -285,14 +285,10 @@ class FedAvg:
 
     async def _eligible(self, ctx: WorkflowContext) -> list[str]:
         selector = ctx.job.device_selector
-        out: list[str] = []
-        token = ""
-        while True:
-            page = await ctx.store.list_devices(page_size=1000, page_token=token, state=DeviceState.ONLINE)
-            out.extend(d.device_id for d in page.items if selector_matches(selector, d.device_info))
-            token = page.next_page_token
-            if not token:
-                return out
+        online = await all_items(
+            lambda token: ctx.store.list_devices(page_size=1000, page_token=token, state=DeviceState.ONLINE)
+        )
+        return [d.device_id for d in online if selector_matches(selector, d.device_info)]
 
     async def _start_wave(
         self,
