@@ -41,6 +41,7 @@ EXIT_USAGE: Final = 2
 
 P = ParamSpec("P")
 R = TypeVar("R")
+T = TypeVar("T")
 
 
 class CommandError(click.ClickException):
@@ -217,6 +218,19 @@ def connection_options(command: Callable[P, R]) -> Callable[..., R]:
 
 
 # ---- output ------------------------------------------------------------------------------------------
+
+
+def collect_pages(fetch: Callable[[int, str], tuple[Sequence[T], str]], limit: int) -> list[T]:
+    """Up to ``limit`` items of a paged listing: ``fetch(page_size, page_token)`` gives a page's items
+    and the next token ("" after the last page)."""
+    items: list[T] = []
+    token = ""
+    while len(items) < limit:
+        page, token = fetch(min(limit - len(items), 1000), token)
+        items.extend(page)
+        if not token:
+            break
+    return items[:limit]
 
 
 def echo_json(value: object) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from datetime import UTC
 from typing import Final
 
@@ -11,6 +12,7 @@ import click
 from fedlink.server.cli.client import (
     CALL_TIMEOUT_S,
     ConnectionOptions,
+    collect_pages,
     connection_options,
     control_client,
     echo_json,
@@ -67,22 +69,14 @@ def list_command(state: str | None, limit: int, output_format: str, connection: 
         if state
         else states_pb2.DEVICE_STATE_UNSPECIFIED
     )
-    devices: list[cpb.Device] = []
     with control_client(connection) as client:
-        token = ""
-        while len(devices) < limit:
-            page = client.stub.ListDevices(
-                cpb.ListDevicesRequest(
-                    page_size=min(limit - len(devices), 1000), page_token=token, state=wanted
-                ),
-                metadata=client.metadata,
-                timeout=CALL_TIMEOUT_S,
-            )
-            devices.extend(page.devices)
-            token = page.next_page_token
-            if not token:
-                break
-    devices = devices[:limit]
+
+        def page(size: int, token: str) -> tuple[Sequence[cpb.Device], str]:
+            request = cpb.ListDevicesRequest(page_size=size, page_token=token, state=wanted)
+            reply = client.stub.ListDevices(request, metadata=client.metadata, timeout=CALL_TIMEOUT_S)
+            return reply.devices, reply.next_page_token
+
+        devices = collect_pages(page, limit)
     if output_format == "json":
         echo_json([device_dict(d) for d in devices])
         return

@@ -8,7 +8,7 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC
 from pathlib import Path
 from typing import Any, Final
@@ -22,6 +22,7 @@ from fedlink.server.cli.client import (
     CALL_TIMEOUT_S,
     ConnectionOptions,
     ControlClient,
+    collect_pages,
     connection_options,
     control_client,
     echo_json,
@@ -311,20 +312,14 @@ def list_command(state: str | None, limit: int, output_format: str, connection: 
     wanted = (
         states_pb2.JobState.Value(f"JOB_STATE_{state.upper()}") if state else states_pb2.JOB_STATE_UNSPECIFIED
     )
-    jobs: list[cpb.Job] = []
     with control_client(connection) as client:
-        token = ""
-        while len(jobs) < limit:
-            page = client.stub.ListJobs(
-                cpb.ListJobsRequest(page_size=min(limit - len(jobs), 1000), page_token=token, state=wanted),
-                metadata=client.metadata,
-                timeout=CALL_TIMEOUT_S,
-            )
-            jobs.extend(page.jobs)
-            token = page.next_page_token
-            if not token:
-                break
-    jobs = jobs[:limit]
+
+        def page(size: int, token: str) -> tuple[Sequence[cpb.Job], str]:
+            request = cpb.ListJobsRequest(page_size=size, page_token=token, state=wanted)
+            reply = client.stub.ListJobs(request, metadata=client.metadata, timeout=CALL_TIMEOUT_S)
+            return reply.jobs, reply.next_page_token
+
+        jobs = collect_pages(page, limit)
     if output_format == "json":
         echo_json([job_dict(job) for job in jobs])
         return
