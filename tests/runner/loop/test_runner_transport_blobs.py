@@ -48,6 +48,20 @@ async def test_task_and_result_travel_as_blobs_when_large(tmp_path: Path) -> Non
             for result in results:
                 assert result.payload_sha256 is not None
                 assert (await store.blobs.stat(result.payload_sha256)).size_bytes > 512
+            # And they went by the streams: an inline result would be stored as a blob too.
+            await asyncio.sleep(0.05)  # the server counts a call after its reply went out
+            assert _ok_calls(coordinator, "UploadBlob") >= 2
+            assert _ok_calls(coordinator, "DownloadBlob") >= 2
+
+
+def _ok_calls(coordinator: Coordinator, method: str) -> float:
+    """How many ``method`` calls of RunnerService the coordinator answered OK (its Prometheus counter)."""
+    wanted = f'fedlink_rpc_requests_total{{code="OK",method="{method}",service="RunnerService"}}'
+    for line in coordinator.telemetry.exposition().decode().splitlines():
+        name, _, value = line.rpartition(" ")
+        if name == wanted:
+            return float(value)
+    return 0.0
 
 
 def test_settings_layer_toml_then_environment_then_flags(tmp_path: Path) -> None:
