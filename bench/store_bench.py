@@ -120,21 +120,34 @@ class RunReport:
 
 
 @contextlib.asynccontextmanager
-async def fresh_database(backend: str) -> AsyncIterator[str]:
-    """A throwaway database URL: a temp SQLite file, or a PostgreSQL database dropped afterwards."""
+async def fresh_database(backend: str, *, keep: bool = False) -> AsyncIterator[str]:
+    """A throwaway database URL: a temp SQLite file, or a PostgreSQL database dropped afterwards.
+
+    With ``keep`` the database stays (a SQLite file in a kept temp folder) and its URL is printed,
+    to look at the grown tables afterwards (EXPLAIN, pg_stat_user_tables).
+    """
     if backend == "sqlite":
+        if keep:
+            url = f"sqlite+aiosqlite:///{tempfile.mkdtemp(prefix='fedlink-bench-')}/bench.db"
+            yield url
+            print(f"  kept {url}", flush=True)
+            return
         with tempfile.TemporaryDirectory(prefix="fedlink-bench-") as tmp:
             yield f"sqlite+aiosqlite:///{tmp}/bench.db"
         return
     name = f"fedlink_bench_{uuid.uuid4().hex[:12]}"
+    url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
     admin = create_async_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     try:
         async with admin.connect() as conn:
             await conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-        yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+        yield url
     finally:
-        async with admin.connect() as conn:
-            await conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        if keep:
+            print(f"  kept {url}", flush=True)
+        else:
+            async with admin.connect() as conn:
+                await conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         await admin.dispose()
 
 
@@ -204,7 +217,11 @@ class ProcessWorkload:
     def __init__(self, store: SqlStateStore, job_id: str, run_id: str, groups: list[list[str]], batch: int):
         self.store, self.job_id, self.run_id, self.batch = store, job_id, run_id, batch
         self.groups = groups  # one device list per worker
+        # A worker's passes: the fewest claims any of its devices has made. A pass in which some
+        # devices found nothing (the refiller was behind) must not count for them, or their round
+        # would be closed under them and their late results recorded as stale.
         self.passes = [0] * len(groups)
+        self.claims_of: dict[str, int] = {d: 0 for group in groups for d in group}
         self.rounds: dict[int, list[str]] = {}
         self.next_round = 0
         self.payload_sha = ""
@@ -256,7 +273,7 @@ class ProcessWorkload:
                 chunk = devices[start : start + self.batch]
                 claimed += await self._cycle(chunk, counters)
             if claimed:
-                self.passes[index] += 1
+                self.passes[index] = min(self.claims_of[d] for d in devices)
             else:
                 # Ahead of the refiller: a pass that found nothing must not let it close rounds not done.
                 await asyncio.sleep(0.005)
@@ -269,6 +286,8 @@ class ProcessWorkload:
             requests = [ClaimRequest(device_id=d, job_id=self.job_id) for d in chunk]
             claimed = await self.store.claim_tasks(requests, now, LEASE)
         held = [a for a in claimed if a is not None]
+        for a in held:
+            self.claims_of[a.device_id] += 1
         reports = [
             ResultReport(
                 assignment_id=a.assignment_id,
@@ -386,7 +405,7 @@ async def check_invariants(url: str) -> dict[str, int | bool]:
 # ---------------------------------------------------------------- one configuration
 
 
-async def run_config(config: Config, baseline: float) -> RunReport:
+async def run_config(config: Config, baseline: float, *, keep: bool = False) -> RunReport:
     """Measure one configuration in a fresh database and check the invariants afterwards."""
     processes = 1 if config.backend == "sqlite" else config.workers
     report = RunReport(
@@ -397,7 +416,7 @@ async def run_config(config: Config, baseline: float) -> RunReport:
         devices=config.devices,
         duration_s=config.duration_s,
     )
-    async with fresh_database(config.backend) as url:
+    async with fresh_database(config.backend, keep=keep) as url:
         job_id, run_id = await prepare(url, config)
         devices = device_ids(config)
         per_worker = [devices[i :: config.workers] for i in range(config.workers)]
@@ -499,6 +518,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--quick", action="store_true", help="a few seconds per configuration (the test suite)"
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep each configuration's database and print its URL"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.duration, args.window, args.baseline_seconds = 1.5, 0.5, 0.3
@@ -531,7 +553,7 @@ async def main(argv: Sequence[str] | None = None) -> int:
                 config = Config(
                     backend, workers, batch, args.duration, args.window, devices, args.rounds_ahead
                 )
-                reports.append(await run_config(config, baselines[backend]))
+                reports.append(await run_config(config, baselines[backend], keep=args.keep))
     print_table(reports, baselines)
     if args.json is not None:
         document = {
