@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
 from click.testing import CliRunner
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -14,7 +17,7 @@ from fedlink.common.errors import SchemaMismatch
 from fedlink.server.cli.db import db_group
 from fedlink.server.store import current_revision, downgrade, head_revision, open_store, upgrade
 from fedlink.server.store.dialect import Database
-from fedlink.server.store.schema import metadata
+from fedlink.server.store.schema import jobs, metadata, runs, task_offers, task_targets, tasks
 from fedlink.server.store.testing import create_pg_database, drop_pg_database
 
 EXPECTED_TABLES = {t.name for t in metadata.sorted_tables}
@@ -90,3 +93,86 @@ def test_db_cli_upgrade_current_downgrade(tmp_path: Path) -> None:
     down = runner.invoke(db_group, ["downgrade", "--db", url, "--revision", "base"])
     assert down.exit_code == 0 and "base" in down.output
     assert "current: none" in runner.invoke(db_group, ["current", "--db", url]).output
+
+
+async def test_migrated_schema_matches_the_tables_the_code_declares(empty_url: str) -> None:
+    await upgrade(empty_url)
+    database = Database(empty_url)
+
+    def differences(conn: sa.Connection) -> list[object]:
+        return list(compare_metadata(MigrationContext.configure(conn), metadata))
+
+    try:
+        async with database.read() as conn:
+            found = await conn.run_sync(differences)
+    finally:
+        await database.dispose()
+    assert found == []
+
+
+async def test_upgrade_to_0003_offers_the_targets_of_open_tasks_only(empty_url: str) -> None:
+    await upgrade(empty_url, "0002_claim_lookups")
+    now = datetime.now(UTC)
+    database = Database(empty_url)
+
+    async def fill(conn: AsyncConnection) -> None:
+        await conn.execute(
+            sa.insert(jobs).values(
+                job_id="j",
+                name="n",
+                state="RUNNING",
+                spec_json="{}",
+                job_data="{}",
+                device_selector="{}",
+                message="",
+                created_at=now,
+                updated_at=now,
+            )
+        )
+        await conn.execute(
+            sa.insert(runs).values(
+                run_id="r",
+                job_id="j",
+                state="RUNNING",
+                round=0,
+                metrics_json="{}",
+                message="",
+                created_at=now,
+                updated_at=now,
+            )
+        )
+        for task_id, state in (("open", "OPEN"), ("closed", "CLOSED")):
+            await conn.execute(
+                sa.insert(tasks).values(
+                    task_id=task_id,
+                    job_id="j",
+                    run_id="r",
+                    round=0,
+                    name="train",
+                    deadline=now,
+                    slots=1,
+                    targeted=True,
+                    state=state,
+                    created_at=now,
+                )
+            )
+        await conn.execute(
+            sa.insert(task_targets),
+            [{"task_id": t, "device_id": d} for t in ("open", "closed") for d in ("d0", "d1")],
+        )
+
+    async def offers(conn: AsyncConnection) -> set[tuple[str, str, str]]:
+        found = await conn.execute(
+            sa.select(task_offers.c.task_id, task_offers.c.device_id, task_offers.c.job_id)
+        )
+        return {(t, d, j) for t, d, j in found}
+
+    try:
+        await database.write(fill)
+        await upgrade(empty_url)
+        async with database.read() as conn:
+            assert await offers(conn) == {("open", "d0", "j"), ("open", "d1", "j")}
+        await downgrade(empty_url, "0002_claim_lookups")
+        assert "task_offers" not in await tables(empty_url)
+    finally:
+        await database.dispose()

@@ -1,8 +1,13 @@
 """The claim hot path: a batch of task requests served with a few set-based statements.
 
 For a batch, one SELECT finds every re-delivery (a device asking again for the lease it holds), one
-SELECT finds each remaining device's oldest claimable task targeted at it (FedAvg's case), and one
-multi-row ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` takes them. Requests that lost a race for a
+SELECT finds each remaining device's oldest claimable task offered to it (FedAvg's case), and one
+multi-row ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` takes them. On PostgreSQL the two SELECTs
+walk the batch's (device, job) pairs with ``unnest`` and a LATERAL ``ORDER BY ... LIMIT 1`` subquery:
+per pair an index scan that stops at the first hit, whatever the planner's statistics say (the
+server may run without autovacuum, and an IN list of 64 devices under default selectivities looked
+like a third of the table: it chose sequential and bitmap scans that grew with the history and with
+the dead index entries that only plain index scans mark and skip). Requests that lost a race for a
 slot, or that need an untargeted task, go through the per-request path. The unique indexes on
 assignments are what makes double assignment impossible; these statements only make the common case
 cheap. Synchronous SQLAlchemy code: it runs whole in the store's writer thread on a SQLite file
@@ -16,6 +21,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 
 from fedlink.server.domain import (
     ACTIVE_ASSIGNMENT_STATES,
@@ -25,7 +31,7 @@ from fedlink.server.domain import (
 )
 from fedlink.server.store import rows
 from fedlink.server.store.protocol import ClaimRequest
-from fedlink.server.store.schema import assignments, state_is, task_targets, tasks
+from fedlink.server.store.schema import assignments, state_is, task_offers, tasks
 
 _LEASED = AssignmentState.LEASED.value
 # Literal predicates matching the partial indexes in schema.py (same states, same order).
@@ -74,25 +80,53 @@ def _lowest_free_slot(task_id: sa.ColumnElement[str]) -> sa.ColumnElement[int]:
     """The task's lowest slot no active assignment holds (0, or one past a held slot with a gap after it).
 
     Below the task's slots whenever fewer than that are held, which the candidate filters ensure.
+    One scalar subquery over the task's own active assignments (a left join finds the gaps): an
+    EXISTS test here was turned by PostgreSQL into a hashed subplan over the active assignments of
+    every task, a walk of the whole history per claim batch.
     """
     held, after = assignments.alias("held"), assignments.alias("after")
-    zero_held = sa.exists().where(
-        held.c.task_id == task_id, state_is(held.c.state, "LEASED", "COMPLETED"), held.c.slot == 0
-    )
-    next_free = (
-        sa.select(sa.func.min(held.c.slot + 1))
-        .where(
-            held.c.task_id == task_id,
-            state_is(held.c.state, "LEASED", "COMPLETED"),
-            ~sa.exists().where(
-                after.c.task_id == held.c.task_id,
-                state_is(after.c.state, "LEASED", "COMPLETED"),
-                after.c.slot == held.c.slot + 1,
-            ),
+    gap_after = sa.case((after.c.slot.is_(None), held.c.slot + 1))
+    return (
+        sa.select(sa.case((sa.func.min(held.c.slot) == 0, sa.func.min(gap_after)), else_=0))
+        .select_from(
+            held.outerjoin(
+                after,
+                sa.and_(
+                    after.c.task_id == held.c.task_id,
+                    after.c.slot == held.c.slot + 1,
+                    state_is(after.c.state, "LEASED", "COMPLETED"),
+                ),
+            )
         )
+        .where(held.c.task_id == task_id, state_is(held.c.state, "LEASED", "COMPLETED"))
         .scalar_subquery()
     )
-    return sa.case((~zero_held, 0), else_=next_free)
+
+
+def _pairs() -> Any:
+    """The batch's (device, job) pairs as a table: ``unnest`` of two arrays of the same length."""
+    array = postgresql.ARRAY(assignments.c.device_id.type)
+    return (
+        sa.func.unnest(sa.bindparam("device_ids", type_=array), sa.bindparam("job_ids", type_=array))
+        .table_valued("device_id", "job_id")
+        .render_derived(name="wanted", with_types=False)
+    )
+
+
+def _offered() -> sa.Join:
+    return task_offers.join(tasks, tasks.c.task_id == task_offers.c.task_id)
+
+
+def _claimable(device_id: sa.ColumnElement[str]) -> tuple[sa.ColumnElement[bool], ...]:
+    """An offered task the device may claim: still OPEN, before its deadline, not yet taken by the
+    device, a slot free. The subqueries are on task_offers' columns, so SQLite runs them only for
+    the device's own offers."""
+    return (
+        _OPEN_SQL,
+        tasks.c.deadline > _NOW,
+        ~_has_assignment(task_offers.c.task_id, device_id),
+        _has_free_slot(task_offers.c.task_id, tasks.c.slots),
+    )
 
 
 class ClaimStatements:
@@ -102,7 +136,8 @@ class ClaimStatements:
     database spent running them; built once, they compile once and hit the compiled cache.
     """
 
-    def __init__(self, insert: sa.Insert) -> None:
+    def __init__(self, insert: sa.Insert, *, lateral: bool = False) -> None:
+        self.lateral = lateral
         live_lease = (
             _LEASED_SQL,
             assignments.c.lease_expires_at > _NOW,
@@ -117,28 +152,39 @@ class ClaimStatements:
             .order_by(assignments.c.created_at)
             .limit(1)
         )
-        self.held_many = (
-            sa.select(assignments)
-            .select_from(held_join)
-            .where(assignments.c.device_id.in_(_DEVICES), assignments.c.job_id.in_(_JOBS), *live_lease)
-            .order_by(assignments.c.created_at, assignments.c.assignment_id)
-        )
+        if lateral:
+            wanted = _pairs()
+            oldest = (
+                sa.select(assignments)
+                .select_from(held_join)
+                .where(
+                    assignments.c.device_id == wanted.c.device_id,
+                    assignments.c.job_id == wanted.c.job_id,
+                    *live_lease,
+                )
+                .order_by(assignments.c.created_at, assignments.c.assignment_id)
+                .limit(1)
+                .lateral("oldest")
+            )
+            self.held_many = sa.select(oldest).select_from(wanted.join(oldest, sa.true()))
+        else:
+            self.held_many = (
+                sa.select(assignments)
+                .select_from(held_join)
+                .where(assignments.c.device_id.in_(_DEVICES), assignments.c.job_id.in_(_JOBS), *live_lease)
+                .order_by(assignments.c.created_at, assignments.c.assignment_id)
+            )
         # Two lookups, each served by its own index: the tasks offered to this device (FedAvg's),
         # then the job's untargeted tasks. One OR-ed query would walk every open task of the job.
         targeted = (
             sa.select(tasks.c.task_id)
-            .select_from(task_targets.join(tasks, tasks.c.task_id == task_targets.c.task_id))
+            .select_from(_offered())
             .where(
-                task_targets.c.device_id == _DEVICE,
-                tasks.c.job_id == _JOB,
-                _OPEN_SQL,
-                tasks.c.deadline > _NOW,
-                # On task_targets' columns, so SQLite runs these subqueries only for the device's own
-                # tasks when it walks the job's open tasks and probes their targets.
-                ~_has_assignment(task_targets.c.task_id, _DEVICE),
-                _has_free_slot(task_targets.c.task_id, tasks.c.slots),
+                task_offers.c.device_id == _DEVICE,
+                task_offers.c.job_id == _JOB,
+                *_claimable(_DEVICE),
             )
-            .order_by(tasks.c.created_at, tasks.c.task_id)
+            .order_by(task_offers.c.created_at, task_offers.c.task_id)
             .limit(1)
         )
         untargeted = (
@@ -163,33 +209,59 @@ class ClaimStatements:
             )
         )
         self.anything = sa.select(sa.or_(self.held.exists(), targeted.exists(), untargeted.exists()))
-        self.targeted_many = self._targeted_many()
+        self.targeted_many = self._targeted_many_lateral() if lateral else self._targeted_many()
         self.insert_many = insert.returning(assignments)
+
+    def batch_params(self, pairs: Sequence[Pair], now: datetime) -> dict[str, Any]:
+        """The bind parameters of held_many and targeted_many for these (device, job) pairs."""
+        if self.lateral:
+            return {"device_ids": [d for d, _ in pairs], "job_ids": [j for _, j in pairs], "now": now}
+        return {
+            "device_ids": sorted({d for d, _ in pairs}),
+            "job_ids": sorted({j for _, j in pairs}),
+            "now": now,
+        }
+
+    @staticmethod
+    def _targeted_many_lateral() -> sa.Select[Any]:
+        """targeted_many as one LATERAL index walk per (device, job) pair (PostgreSQL)."""
+        wanted = _pairs()
+        oldest = (
+            sa.select(tasks.c.task_id)
+            .select_from(_offered())
+            .where(
+                task_offers.c.device_id == wanted.c.device_id,
+                task_offers.c.job_id == wanted.c.job_id,
+                *_claimable(task_offers.c.device_id),
+            )
+            .order_by(task_offers.c.created_at, task_offers.c.task_id)
+            .limit(1)
+            .lateral("oldest")
+        )
+        return sa.select(
+            wanted.c.device_id, oldest.c.task_id, wanted.c.job_id, _lowest_free_slot(oldest.c.task_id)
+        ).select_from(wanted.join(oldest, sa.true()))
 
     @staticmethod
     def _targeted_many() -> sa.Select[Any]:
-        """Each (device, job)'s oldest claimable task targeted at the device, with its lowest free slot."""
+        """Each (device, job)'s oldest claimable task offered to the device, with its lowest free slot."""
         ranked = (
             sa.select(
-                task_targets.c.device_id,
+                task_offers.c.device_id,
                 tasks.c.task_id,
                 tasks.c.job_id,
                 sa.func.row_number()
                 .over(
-                    partition_by=(task_targets.c.device_id, tasks.c.job_id),
-                    order_by=(tasks.c.created_at, tasks.c.task_id),
+                    partition_by=(task_offers.c.device_id, task_offers.c.job_id),
+                    order_by=(task_offers.c.created_at, task_offers.c.task_id),
                 )
                 .label("rank"),
             )
-            .select_from(task_targets.join(tasks, tasks.c.task_id == task_targets.c.task_id))
+            .select_from(_offered())
             .where(
-                task_targets.c.device_id.in_(_DEVICES),
-                tasks.c.job_id.in_(_JOBS),
-                _OPEN_SQL,
-                tasks.c.deadline > _NOW,
-                # On task_targets' columns: see the single lookup above.
-                ~_has_assignment(task_targets.c.task_id, task_targets.c.device_id),
-                _has_free_slot(task_targets.c.task_id, tasks.c.slots),
+                task_offers.c.device_id.in_(_DEVICES),
+                task_offers.c.job_id.in_(_JOBS),
+                *_claimable(task_offers.c.device_id),
             )
             .subquery("ranked")
         )
@@ -243,7 +315,7 @@ def _claim_chunk(
             return {pairs[0]: rows.assignment(held)}
         return {pairs[0]: claim_one(statements, conn, device_id, job_id, now, lease)}
     wanted = set(pairs)
-    ids = {"device_ids": sorted({d for d, _ in pairs}), "job_ids": sorted({j for _, j in pairs}), "now": now}
+    ids = statements.batch_params(pairs, now)
     served: dict[Pair, Assignment | None] = {}
     for row in conn.execute(statements.held_many, ids):
         pair = (row.device_id, row.job_id)

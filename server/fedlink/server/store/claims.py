@@ -29,13 +29,22 @@ from fedlink.server.store import rows
 from fedlink.server.store.claiming import ClaimStatements, claim_batch
 from fedlink.server.store.core import StoreCore
 from fedlink.server.store.protocol import ClaimRequest, NewTask
-from fedlink.server.store.schema import assignments, state_is, task_targets, tasks
+from fedlink.server.store.schema import assignments, state_is, task_offers, task_targets, tasks
 
 _LEASED = AssignmentState.LEASED.value
 _OPEN = TaskState.OPEN.value
 # Literal predicates matching the partial indexes in schema.py (same states, same order).
 _LEASED_SQL = state_is(assignments.c.state, "LEASED")
 _OPEN_SQL = state_is(tasks.c.state, "OPEN")
+# Keeps IN lists well below SQLite's bound-parameter limit.
+_IN_BATCH = 500
+
+
+async def drop_offers(conn: AsyncConnection, task_ids: Sequence[str]) -> None:
+    """Withdraw the offers of tasks that are no longer OPEN (their targets stay in task_targets)."""
+    for start in range(0, len(task_ids), _IN_BATCH):
+        chunk = list(task_ids[start : start + _IN_BATCH])
+        await conn.execute(sa.delete(task_offers).where(task_offers.c.task_id.in_(chunk)))
 
 
 class ClaimQueries(StoreCore):
@@ -46,6 +55,7 @@ class ClaimQueries(StoreCore):
         now = self._clock.now()
         task_rows: list[dict[str, object]] = []
         target_rows: list[dict[str, str]] = []
+        offer_rows: list[dict[str, object]] = []
         for new in new_tasks:
             if new.slots < 1:
                 raise InvalidArgument(f"a task needs at least one slot, got {new.slots}")
@@ -67,7 +77,11 @@ class ClaimQueries(StoreCore):
                     "created_at": now,
                 }
             )
-            target_rows.extend({"task_id": task_id, "device_id": d} for d in sorted(set(new.targets)))
+            for device_id in sorted(set(new.targets)):
+                target_rows.append({"task_id": task_id, "device_id": device_id})
+                offer_rows.append(
+                    {"task_id": task_id, "device_id": device_id, "job_id": new.job_id, "created_at": now}
+                )
         if not task_rows:
             return []
 
@@ -75,6 +89,7 @@ class ClaimQueries(StoreCore):
             await conn.execute(sa.insert(tasks), task_rows)
             if target_rows:
                 await conn.execute(sa.insert(task_targets), target_rows)
+                await conn.execute(sa.insert(task_offers), offer_rows)
             ids = [r["task_id"] for r in task_rows]
             found = {
                 r.task_id: rows.task(r)
@@ -116,6 +131,7 @@ class ClaimQueries(StoreCore):
             updated = await conn.execute(
                 sa.update(tasks).where(where).values(state=target.value).returning(tasks)
             )
+            await drop_offers(conn, [task_id])
             return rows.task(updated.one())
 
         return await self._db.write(work)
@@ -128,8 +144,11 @@ class ClaimQueries(StoreCore):
                 sa.update(tasks)
                 .where(tasks.c.job_id == job_id, _OPEN_SQL)
                 .values(state=TaskState.CANCELLED.value)
+                .returning(tasks.c.task_id)
             )
-            return (await conn.execute(statement)).rowcount
+            cancelled = list((await conn.execute(statement)).scalars())
+            await drop_offers(conn, cancelled)
+            return len(cancelled)
 
         return await self._db.write(work)
 
@@ -162,7 +181,7 @@ class ClaimQueries(StoreCore):
     def _claim_statements(self) -> ClaimStatements:
         statements: ClaimStatements | None = getattr(self, "_claims_prepared", None)
         if statements is None:
-            statements = ClaimStatements(self._db.insert_ignore(assignments))
+            statements = ClaimStatements(self._db.insert_ignore(assignments), lateral=not self._db.is_sqlite)
             self._claims_prepared = statements
         return statements
 

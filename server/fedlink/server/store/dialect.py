@@ -4,7 +4,8 @@ SQLite: WAL, ``synchronous=NORMAL``, foreign keys on, a busy timeout, pysqlite's
 turned off and write transactions opened with ``BEGIN IMMEDIATE`` (so two writers queue at BEGIN
 instead of failing on upgrade from a read lock). ``:memory:`` shares one connection (StaticPool), so
 every transaction on it is serialised in-process. PostgreSQL: READ COMMITTED; write transactions are
-retried on deadlock and serialization failures.
+retried on deadlock and serialization failures; statements are planned afresh on every execution
+(``plan_cache_mode=force_custom_plan``), never with a generic plan cached while the tables were small.
 
 The hot path's write transactions are written as synchronous SQLAlchemy code (:meth:`Database.write_sync`).
 On a SQLite file they run whole in one writer thread on a plain pysqlite connection: aiosqlite hops
@@ -93,7 +94,18 @@ def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
         event.listen(engine.sync_engine, "begin", _on_sqlite_begin)
         return engine
     if backend == "postgresql":
-        return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size)
+        # asyncpg prepares every statement; after five runs PostgreSQL may keep a generic plan for
+        # good, costed on the table sizes of that moment. Planned on a young store's near-empty tables
+        # (sequential scans, hash joins) and never replanned without ANALYZE, those plans made the
+        # claim and report paths slow down as the tables grew. A custom plan per execution costs a
+        # fraction of a millisecond and follows the tables' current size.
+        server_settings = {"plan_cache_mode": "force_custom_plan"}
+        return create_async_engine(
+            url,
+            pool_size=pool_size,
+            max_overflow=pool_size,
+            connect_args={"server_settings": server_settings},
+        )
     raise InvalidArgument(
         f"unsupported database URL {parsed.render_as_string(hide_password=True)!r}: "
         "use sqlite+aiosqlite:///path.db or postgresql+asyncpg://user@host/db"

@@ -128,15 +128,20 @@ class _ResultStatements:
             )
         )
         self.judged_one = judged.where(assignments.c.assignment_id == _ID)
-        self.judged_many = judged.where(assignments.c.assignment_id.in_(_IDS))
+        # The batch's assignments are locked as they are judged (PostgreSQL; SQLite's writers are
+        # serialised anyway), so the state they are judged in is the state they are moved from.
+        self.judged_many = judged.where(assignments.c.assignment_id.in_(_IDS)).with_for_update(of=assignments)
         leased = state_is(assignments.c.state, _LEASED)
         target = sa.bindparam("target", type_=assignments.c.state.type)
         self.move_one = (
             sa.update(assignments).where(assignments.c.assignment_id == _ID, leased).values(state=target)
         )
+        # By primary key alone: with "state = 'LEASED'" here PostgreSQL planned a BitmapAnd with the
+        # leased partial indexes, walking every dead entry they keep until VACUUM (the rows are locked
+        # and were judged LEASED, so the guard is not needed).
         self.move_many = (
             sa.update(assignments)
-            .where(assignments.c.assignment_id.in_(_IDS), leased)
+            .where(assignments.c.assignment_id.in_(_IDS))
             .values(state=target)
             .returning(assignments.c.assignment_id)
         )

@@ -9,6 +9,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from fedlink.server.domain import Assignment, AssignmentState, ResultStatus, TaskState
 from fedlink.server.store import rows
+from fedlink.server.store.claims import drop_offers
 from fedlink.server.store.core import StoreCore
 from fedlink.server.store.protocol import RoundSummary
 from fedlink.server.store.schema import assignments, results, task_targets, tasks
@@ -106,9 +107,12 @@ class RoundQueries(StoreCore):
                 tasks.c.state == TaskState.OPEN.value,
             )
             .values(state=TaskState.CLOSED.value)
+            .returning(tasks.c.task_id)
         )
 
         async def work(conn: AsyncConnection) -> int:
-            return (await conn.execute(statement)).rowcount
+            closed = list((await conn.execute(statement)).scalars())
+            await drop_offers(conn, closed)
+            return len(closed)
 
         return await self._db.write(work)

@@ -166,6 +166,21 @@ task_targets = sa.Table(
     sa.Index("ix_task_targets_device_task", "device_id", "task_id"),
 )
 
+# The targets of OPEN tasks only: a row leaves when its task closes or is cancelled (task_targets keeps
+# the history). A device's claim walks its own offers in task order through the index, so the cost of
+# a claim does not grow with the rounds the device has done. The claim still checks the task's state,
+# so a row left behind costs a probe, never a wrong claim.
+task_offers = sa.Table(
+    "task_offers",
+    metadata,
+    _id("task_id", _cascade("tasks.task_id"), primary_key=True),
+    _id("device_id", primary_key=True),
+    # Copied from the task, so the index below serves "this device's oldest offer in this job".
+    _id("job_id", nullable=False),
+    _time("created_at"),
+    sa.Index("ix_task_offers_device_job_created", "device_id", "job_id", "created_at", "task_id"),
+)
+
 _ACTIVE = sa.text("state IN ('LEASED', 'COMPLETED')")
 _LEASED = sa.text("state = 'LEASED'")
 
