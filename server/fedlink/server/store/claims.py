@@ -29,7 +29,7 @@ from fedlink.server.store import rows
 from fedlink.server.store.claiming import ClaimStatements, claim_batch
 from fedlink.server.store.core import StoreCore
 from fedlink.server.store.protocol import ClaimRequest, NewTask
-from fedlink.server.store.schema import assignments, state_is, task_offers, task_targets, tasks
+from fedlink.server.store.schema import among, assignments, state_is, task_offers, task_targets, tasks
 
 _LEASED = AssignmentState.LEASED.value
 _OPEN = TaskState.OPEN.value
@@ -42,9 +42,11 @@ _IN_BATCH = 500
 
 async def drop_offers(conn: AsyncConnection, task_ids: Sequence[str]) -> None:
     """Withdraw the offers of tasks that are no longer OPEN (their targets stay in task_targets)."""
+    statement = sa.delete(task_offers).where(
+        among(task_offers.c.task_id, "task_ids", array=conn.dialect.name == "postgresql")
+    )
     for start in range(0, len(task_ids), _IN_BATCH):
-        chunk = list(task_ids[start : start + _IN_BATCH])
-        await conn.execute(sa.delete(task_offers).where(task_offers.c.task_id.in_(chunk)))
+        await conn.execute(statement, {"task_ids": list(task_ids[start : start + _IN_BATCH])})
 
 
 class ClaimQueries(StoreCore):
@@ -91,10 +93,10 @@ class ClaimQueries(StoreCore):
                 await conn.execute(sa.insert(task_targets), target_rows)
                 await conn.execute(sa.insert(task_offers), offer_rows)
             ids = [r["task_id"] for r in task_rows]
-            found = {
-                r.task_id: rows.task(r)
-                for r in await conn.execute(sa.select(tasks).where(tasks.c.task_id.in_(ids)))
-            }
+            query = sa.select(tasks).where(
+                among(tasks.c.task_id, "task_ids", array=conn.dialect.name == "postgresql")
+            )
+            found = {r.task_id: rows.task(r) for r in await conn.execute(query, {"task_ids": ids})}
             return [found[task_id] for task_id in ids]
 
         return await self._db.write(work)

@@ -14,7 +14,7 @@ from fedlink.server.domain import AssignmentState, ReportOutcome, Result, Result
 from fedlink.server.store import rows
 from fedlink.server.store.core import StoreCore
 from fedlink.server.store.protocol import RecordOutcome, ResultReport
-from fedlink.server.store.schema import assignments, results, state_is, tasks
+from fedlink.server.store.schema import among, assignments, results, state_is, tasks
 
 _LEASED = AssignmentState.LEASED.value
 # A report loses a race only to another report or the lease reaper; each loss settles the assignment.
@@ -72,7 +72,7 @@ class ResultQueries(StoreCore):
     def _result_statements(self) -> _ResultStatements:
         statements: _ResultStatements | None = getattr(self, "_results_prepared", None)
         if statements is None:
-            statements = _ResultStatements(self._db.insert_ignore(results))
+            statements = _ResultStatements(self._db.insert_ignore(results), array=not self._db.is_sqlite)
             self._results_prepared = statements
         return statements
 
@@ -101,7 +101,6 @@ class ResultQueries(StoreCore):
             return [rows.result(r) for r in await conn.execute(query)]
 
 
-_IDS = sa.bindparam("assignment_ids", expanding=True, type_=assignments.c.assignment_id.type)
 _ID = sa.bindparam("assignment_id", type_=assignments.c.assignment_id.type)
 # Reports per set-based round trip: IN lists stay far below SQLite's bound-parameter limit.
 _CHUNK = 256
@@ -110,7 +109,8 @@ _CHUNK = 256
 class _ResultStatements:
     """The report path's statements, built once with bind parameters (compiled once, cached)."""
 
-    def __init__(self, insert: sa.Insert) -> None:
+    def __init__(self, insert: sa.Insert, *, array: bool = False) -> None:
+        ids = among(assignments.c.assignment_id, "assignment_ids", array=array)
         # An assignment, its task, and its result if it has one (results.* is NULL otherwise): what a
         # report is judged by, in one statement. The assignment's own columns carry an a_ prefix.
         judged: sa.Select[Any] = sa.select(
@@ -130,7 +130,7 @@ class _ResultStatements:
         self.judged_one = judged.where(assignments.c.assignment_id == _ID)
         # The batch's assignments are locked as they are judged (PostgreSQL; SQLite's writers are
         # serialised anyway), so the state they are judged in is the state they are moved from.
-        self.judged_many = judged.where(assignments.c.assignment_id.in_(_IDS)).with_for_update(of=assignments)
+        self.judged_many = judged.where(ids).with_for_update(of=assignments)
         leased = state_is(assignments.c.state, _LEASED)
         target = sa.bindparam("target", type_=assignments.c.state.type)
         self.move_one = (
@@ -140,10 +140,7 @@ class _ResultStatements:
         # leased partial indexes, walking every dead entry they keep until VACUUM (the rows are locked
         # and were judged LEASED, so the guard is not needed).
         self.move_many = (
-            sa.update(assignments)
-            .where(assignments.c.assignment_id.in_(_IDS))
-            .values(state=target)
-            .returning(assignments.c.assignment_id)
+            sa.update(assignments).where(ids).values(state=target).returning(assignments.c.assignment_id)
         )
         self.insert = insert.returning(results)
 
