@@ -6,10 +6,11 @@ import json
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
-from fedlink.common.dxo import DXO, DataKind
+from fedlink.common.dxo import DataKind
 from fedlink.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from fedlink.server.domain import Device, DeviceState, Job, JobEvent, JobState, Run, RunState, is_final
 from fedlink.server.protocol.events import JobEvents
+from fedlink.server.protocol.model_specs import ModelOutlines
 from fedlink.server.protocol.notify import TaskNotifier
 from fedlink.server.protocol.transfers import check_sha256
 from fedlink.server.store import NewJob, Page, StateStore
@@ -71,8 +72,10 @@ class ControlProtocol:
         on_job_change: Callable[[str], None],
         on_device_revoked: Callable[[str], None],
         max_model_bytes: int,
+        outlines: ModelOutlines | None = None,
     ) -> None:
         self._store = store
+        self._outlines = outlines or ModelOutlines(store.blobs)
         self._events = events
         self._notifier = notifier
         self._on_job_change = on_job_change
@@ -121,8 +124,9 @@ class ControlProtocol:
             raise NotFound(f"initial model {sha256} was not uploaded") from None
         if blob.size_bytes > self._max_model_bytes:
             raise InvalidArgument(f"the initial model is larger than {self._max_model_bytes} bytes")
-        model = DXO.from_bytes(await self._store.blobs.read(sha256))
-        if model.kind is not DataKind.WEIGHTS or not model.data:
+        # Outlined, not loaded: a 1 GiB model is checked with a few KiB of memory (tensor data skipped).
+        model = await self._outlines.outline(sha256)
+        if model.kind is not DataKind.WEIGHTS or not model.tensors:
             raise InvalidArgument("the initial model must be a WEIGHTS DXO with at least one variable")
 
     async def describe_job(self, job_id: str) -> JobView:

@@ -8,16 +8,15 @@ result that fails gets INVALID_ARGUMENT and is not stored, so it can never reach
 
 from __future__ import annotations
 
-import asyncio
 import math
-from collections import OrderedDict
 from typing import Protocol
 
 from fedlink.common.dxo import DXO, DataKind, weight_of
 from fedlink.common.errors import InvalidArgument
 from fedlink.server.domain import Task
+from fedlink.server.protocol.model_specs import ModelOutlines
 from fedlink.server.store import BlobStore
-from fedlink.server.workflows.aggregation import VariableSpec, check_update, model_spec
+from fedlink.server.workflows.aggregation import check_update
 
 TRAIN_TASK = "train"
 EVALUATE_TASK = "evaluate"
@@ -34,10 +33,9 @@ class ResultValidator(Protocol):
 class ModelTaskValidator:
     """Validates ``train`` and ``evaluate`` results against the model each task carried."""
 
-    def __init__(self, blobs: BlobStore, *, cache_size: int = 8) -> None:
-        self._blobs = blobs
-        self._specs: OrderedDict[str, asyncio.Future[dict[str, VariableSpec]]] = OrderedDict()
-        self._cache_size = cache_size
+    def __init__(self, blobs: BlobStore, *, outlines: ModelOutlines | None = None) -> None:
+        # The task's model is only outlined (streamed, tensor data skipped), never loaded.
+        self._outlines = outlines or ModelOutlines(blobs)
 
     async def validate(self, task: Task, result: DXO) -> None:
         """Raises InvalidArgument naming what is wrong with ``result``."""
@@ -48,28 +46,8 @@ class ModelTaskValidator:
         if result.kind not in (DataKind.WEIGHTS, DataKind.WEIGHT_DIFF):
             raise InvalidArgument(f"a {task.name!r} result must be WEIGHTS or WEIGHT_DIFF, not {result.kind}")
         if task.payload_sha256 is not None:
-            check_update(result.data, await self._spec(task.payload_sha256))
+            check_update(result.data, await self._outlines.spec(task.payload_sha256))
         weight_of(result)
-
-    async def _spec(self, sha256: str) -> dict[str, VariableSpec]:
-        # A round's results arrive together: the first one's read of the model is shared (a future).
-        pending = self._specs.get(sha256)
-        if pending is None:
-            pending = asyncio.ensure_future(self._read_spec(sha256))
-            self._specs[sha256] = pending
-            while len(self._specs) > self._cache_size:
-                self._specs.popitem(last=False)
-        else:
-            self._specs.move_to_end(sha256)
-        try:
-            return await asyncio.shield(pending)
-        except Exception:
-            if self._specs.get(sha256) is pending:
-                del self._specs[sha256]  # a failed read is not kept: the next result tries again
-            raise
-
-    async def _read_spec(self, sha256: str) -> dict[str, VariableSpec]:
-        return model_spec(DXO.from_bytes(await self._blobs.read(sha256)).data)
 
 
 def check_metrics(result: DXO) -> None:

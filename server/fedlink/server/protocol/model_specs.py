@@ -1,0 +1,68 @@
+"""What a stored model is (its kind and each variable's dtype and shape), learnt without loading it.
+
+A job's initial model and every round's global model are blobs of many MiB to GiB. Submission checks
+the initial model, and result validation needs each task's model spec; neither needs the tensor values.
+:class:`ModelOutlines` streams a blob through :func:`~fedlink.common.dxo_outline.read_outline` (a few KiB
+in memory whatever the model's size, tensor data jumped over) and keeps the outline per sha256: a blob's
+content never changes, and an outline is a few bytes per variable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+
+from fedlink.common.dxo_outline import DxoOutline, read_outline
+from fedlink.server.store import BlobStore
+from fedlink.server.workflows.aggregation import VariableSpec
+
+#: Outlines kept: the models of the live jobs' current and last rounds.
+DEFAULT_CACHE_SIZE = 64
+
+
+class ModelOutlines:
+    """Outlines of DXO blobs by sha256, read by streaming once and then kept (least recently used out)."""
+
+    def __init__(self, blobs: BlobStore, *, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        self._blobs = blobs
+        self._cache_size = cache_size
+        self._outlines: OrderedDict[str, asyncio.Future[DxoOutline]] = OrderedDict()
+
+    async def outline(self, sha256: str) -> DxoOutline:
+        """The outline of the DXO stored as blob ``sha256``.
+
+        Raises:
+            NotFound: No such blob.
+            InvalidArgument: The blob is not a DXO that :meth:`DXO.from_bytes` would decode.
+        """
+        # The devices of a round report together: the first one's read is shared (a future).
+        pending = self._outlines.get(sha256)
+        if pending is None:
+            pending = asyncio.ensure_future(self._read(sha256))
+            self._outlines[sha256] = pending
+            while len(self._outlines) > self._cache_size:
+                self._outlines.popitem(last=False)
+        else:
+            self._outlines.move_to_end(sha256)
+        try:
+            return await asyncio.shield(pending)
+        except Exception:
+            if self._outlines.get(sha256) is pending:
+                del self._outlines[sha256]  # a failed read is not kept: the next caller tries again
+            raise
+
+    async def spec(self, sha256: str) -> dict[str, VariableSpec]:
+        """Each variable's shape and dtype, as the decoded model's arrays would have them."""
+        outline = await self.outline(sha256)
+        return {
+            name: VariableSpec(tensor.shape, tensor.decoded_dtype) for name, tensor in outline.tensors.items()
+        }
+
+    async def _read(self, sha256: str) -> DxoOutline:
+        blob = await self._blobs.stat(sha256)
+
+        def open_at(offset: int) -> AsyncIterator[bytes]:
+            return self._blobs.iter_chunks(sha256, offset)
+
+        return await read_outline(open_at, blob.size_bytes)
