@@ -78,7 +78,7 @@ class Config:
     postgres_url: str | None = DEFAULT_PG_URL
     #: Which parts to run.
     parts: tuple[str, ...] = PARTS
-    #: Where py-spy writes profiles of the coordinator during the throughput runs; None: no profiling.
+    #: Where py-spy writes profiles of the coordinator during the throughput and download runs; None: none.
     profile_dir: Path | None = None
 
 
@@ -221,7 +221,10 @@ async def model_delivery(cfg: Config, workdir: Path, model: ModelFile) -> dict[s
                 ready = await load.event("ready", timeout_s=600)
                 before = proc_stats.memory_use(coord.pid)  # its peak so far: upload, submission, round start
                 proc_stats.reset_peak(coord.pid)
-                async with proc_stats.RssWatch(coord.pid) as watch:
+                async with (
+                    Profiler(cfg.profile_dir, coord.pid, "coordinator-delivery"),
+                    proc_stats.RssWatch(coord.pid) as watch,
+                ):
                     load.send("go")
                     result = await load.event("result", timeout_s=1800)
                 after = proc_stats.memory_use(coord.pid)
@@ -506,7 +509,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=os.environ.get("FEDLINK_BENCH_PG_URL", DEFAULT_PG_URL),
         help="PostgreSQL maintenance database URL; 'none' to skip (env FEDLINK_BENCH_PG_URL)",
     )
-    parser.add_argument("--profile", type=Path, help="py-spy the coordinator during throughput runs into DIR")
+    parser.add_argument(
+        "--profile", type=Path, help="py-spy the coordinator during throughput and download runs into DIR"
+    )
     parser.add_argument("--keep-workdir", action="store_true", help="keep the logs and databases")
     return parser.parse_args(argv)
 

@@ -175,11 +175,46 @@ class RunnerServicer:
         received, complete = await upload_status(self._blobs, request.sha256)
         return pb.GetBlobUploadStatusResponse(received_bytes=received, complete=complete)
 
-    async def DownloadBlob(
-        self, request: pb.DownloadBlobRequest, call: Call
-    ) -> AsyncIterator[pb.DownloadBlobResponse]:
+    async def DownloadBlob(self, request: pb.DownloadBlobRequest, call: Call) -> AsyncIterator[Serialized]:
+        """Streams a blob the device may read: DownloadBlobResponse messages, already serialized."""
         await self._protocol.check_blob_access(self._device(call), request.sha256)
         async for offset, data, size in send_blob(
             self._blobs, request.sha256, offset=request.offset, max_chunk_bytes=request.max_chunk_bytes
         ):
-            yield pb.DownloadBlobResponse(offset=offset, data=data, size_bytes=size)
+            # Encoded by hand: building the message and serializing it would copy each chunk twice.
+            yield Serialized(encode_download_chunk(offset, data, size))
+
+
+class Serialized:
+    """A response already in wire form; the service's serializer sends its bytes as they are."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    def SerializeToString(self, **_options: object) -> bytes:
+        """The wire bytes."""
+        return self._data
+
+
+def encode_download_chunk(offset: int, data: bytes, size_bytes: int) -> bytes:
+    """The bytes ``DownloadBlobResponse(offset=, data=, size_bytes=).SerializeToString()`` gives, copying
+    ``data`` once."""
+    parts: list[bytes] = []
+    if offset:
+        parts += (b"\x08", _varint(offset))  # field 1 (offset), varint
+    if data:
+        parts += (b"\x12", _varint(len(data)), data)  # field 2 (data), length-delimited
+    if size_bytes:
+        parts += (b"\x18", _varint(size_bytes))  # field 3 (size_bytes), varint
+    return b"".join(parts)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
