@@ -188,6 +188,19 @@ class _Source:
 
     async def varint(self) -> int:
         """An unsigned varint of at most 10 bytes (64 bits)."""
+        buffer, at = self._buffer, self._at
+        if len(buffer) - at >= 10:  # the common case, decoded without an await per byte
+            result = shift = 0
+            while shift < 70:
+                b = buffer[at]
+                at += 1
+                result |= (b & 0x7F) << shift
+                if not b & 0x80:
+                    self.offset += at - self._at
+                    self._at = at
+                    return result & 0xFFFF_FFFF_FFFF_FFFF
+                shift += 7
+            raise _Malformed("a varint is longer than 10 bytes")
         result = 0
         for shift in range(0, 70, 7):
             b = await self.byte()
@@ -209,9 +222,18 @@ class _Source:
             yield piece
 
     async def take(self, n: int) -> bytes:
+        if n <= self._available():
+            data = bytes(self._buffer[self._at : self._at + n])
+            self._at += n
+            self.offset += n
+            return data
         return b"".join([bytes(piece) async for piece in self.pieces(n)])
 
     async def skip(self, n: int) -> None:
+        if n <= self._available():
+            self._at += n
+            self.offset += n
+            return
         if n - self._available() > self._seek_bytes:
             # Reopen past the skipped bytes: a model's tensor data need not be read to be skipped.
             await self.close()
