@@ -4,7 +4,9 @@ A claim INSERTs an assignment row and never updates a shared queue row (PostgreS
 versions would pile up on it). Two indexes make double assignment impossible whatever the isolation
 level: unique (task_id, device_id), and unique (task_id, slot) over the LEASED/COMPLETED assignments.
 A claim picks the lowest slot it sees free and inserts with ON CONFLICT DO NOTHING; if a concurrent
-claim took that slot (or task) first, it looks again.
+claim took that slot (or task) first, it looks again. A targeted task's devices are also written to
+task_offers while it is OPEN; whatever ends a task here withdraws its offers, so a device's claim
+looks only at tasks it may still take.
 """
 
 from __future__ import annotations

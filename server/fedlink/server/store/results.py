@@ -260,7 +260,8 @@ def _write(
         for start in range(0, len(moving), _CHUNK):
             params = {"assignment_ids": moving[start : start + _CHUNK], "target": target.value}
             moved.update(conn.execute(statements.move_many, params).scalars())
-        # Another report or the lease reaper got there first: those are judged again.
+        # Another report or the lease reaper got there first (the rows are locked as they are judged,
+        # so this is a guard only): those are judged again.
         lost.update(a for a in moving if a not in moved)
     writes = [p.row for a, p in plans.items() if a not in lost]
     if writes:
