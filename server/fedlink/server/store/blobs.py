@@ -153,11 +153,8 @@ class SqlBlobStore:
         if outside:
             # Files are written only for blobs not stored yet; a blob already stored is left alone.
             async with self._db.read() as conn:
-                present = set(
-                    (
-                        await conn.execute(sa.select(blobs.c.sha256).where(blobs.c.sha256.in_(outside)))
-                    ).scalars()
-                )
+                query = sa.select(blobs.c.sha256).where(blobs.c.sha256.in_(outside))
+                present = set((await conn.execute(query)).scalars())
             for sha in present:
                 del wanted[sha]
             await self._bytes.prepare_objects([(sha, wanted[sha]) for sha in outside if sha not in present])
@@ -392,6 +389,8 @@ class SqlBlobStore:
         finally:
             if pending is not None:
                 pending.cancel()
+                if pending.done() and not pending.cancelled():
+                    pending.exception()  # retrieved: the caller stopped before it mattered
 
     async def _read_batch(self, batch: Sequence[str]) -> list[bytes]:
         found: dict[str, bytes] = {}

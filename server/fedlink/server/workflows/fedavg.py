@@ -184,11 +184,12 @@ class FedAvg:
         if model_sha is None:
             raise InvalidArgument("the job has no initial model")
         for round_no in range(run.round + 1, self.params.num_rounds + 1):
-            model_sha = await self._round(ctx, round_no, model_sha)
+            # Only the first round may be resumed; the later ones start here, with no tasks yet.
+            model_sha = await self._round(ctx, round_no, model_sha, fresh=round_no > run.round + 1)
 
     # ---- one round ----
-    async def _round(self, ctx: WorkflowContext, round_no: int, model_sha: str) -> str:
-        train = await self._collect(ctx, round_no, TRAIN_TASK, model_sha)
+    async def _round(self, ctx: WorkflowContext, round_no: int, model_sha: str, *, fresh: bool) -> str:
+        train = await self._collect(ctx, round_no, TRAIN_TASK, model_sha, fresh=fresh)
         global_model = DXO.from_bytes(await ctx.store.blobs.read(model_sha))
         new_model, train_metrics = await self._aggregate(ctx, global_model, train.succeeded(), round_no)
         new_ref = await ctx.store.blobs.put_bytes(new_model.to_bytes())
@@ -232,15 +233,18 @@ class FedAvg:
         payload_sha: str,
         *,
         devices: Sequence[str] | None = None,
+        fresh: bool = False,
     ) -> _RoundView:
         """Hands out ``name`` tasks for the round and waits until the round can close.
 
         With ``devices`` the tasks go to exactly those devices (evaluation) and whatever arrives by
         the deadline is returned. Resumable: tasks already in the store for this round are picked up
-        as they are.
+        as they are, unless ``fresh`` says this driver knows there are none.
         """
         retries = 0
         run_id = ctx.run.run_id
+        if fresh:
+            await self._start_wave(ctx, round_no, name, payload_sha, None, devices, wave=0)
         while True:
             summary = await ctx.store.round_summary(run_id=run_id, round=round_no, name=name)
             if summary.tasks == 0:
