@@ -191,22 +191,33 @@ class FedAvg:
     async def _round(self, ctx: WorkflowContext, round_no: int, model_sha: str, *, fresh: bool) -> str:
         train = await self._collect(ctx, round_no, TRAIN_TASK, model_sha, fresh=fresh)
         global_model = DXO.from_bytes(await ctx.store.blobs.read(model_sha))
-        new_model, train_metrics = await self._aggregate(ctx, global_model, train.succeeded(), round_no)
+        new_model, train_metrics = await self._aggregate(ctx, global_model, train, round_no)
         new_ref = await ctx.store.blobs.put_bytes(new_model.to_bytes())
         metrics = dict(train_metrics)
         if self.params.evaluate:
-            devices = sorted(r.device_id for r in train.succeeded())
+            devices = sorted(r.device_id for r in train)
             evaluation = await self._collect(ctx, round_no, EVALUATE_TASK, new_ref.sha256, devices=devices)
-            metrics.update(await self._metrics(ctx, evaluation.succeeded(), prefix="eval_"))
+            metrics.update(await self._metrics(ctx, evaluation, prefix="eval_"))
         metrics_json = json.dumps(metrics, sort_keys=True)
         await ctx.store.save_checkpoint(
             ctx.run.run_id, round_no, new_ref.sha256, metrics_json, keep_last=self.params.keep_checkpoints
         )
         await ctx.events.emit(
-            ctx.job, "round_closed", round_no, {"num_results": len(train.succeeded()), "metrics": metrics}
+            ctx.job, "round_closed", round_no, {"num_results": len(train), "metrics": metrics}
         )
         log.info("round closed", extra={"job_id": ctx.job.job_id, "round": round_no, **metrics})
         return new_ref.sha256
+
+    async def _succeeded(self, ctx: WorkflowContext, round_no: int, name: str) -> list[Result]:
+        """The closed round's results to aggregate (as :meth:`_view` has them, without its other reads)."""
+        run_id = ctx.run.run_id
+        all_tasks, all_results = await asyncio.gather(
+            ctx.store.list_tasks(run_id, round=round_no),
+            ctx.store.list_results(run_id=run_id, round=round_no, accepted_only=False),
+        )
+        ids = {t.task_id for t in all_tasks if t.name == name}
+        by_task = {r.task_id: r for r in all_results if r.task_id in ids and not r.stale}
+        return [r for r in by_task.values() if r.status is ResultStatus.SUCCEEDED and r.accepted]
 
     async def _view(self, ctx: WorkflowContext, round_no: int, name: str) -> _RoundView:
         # Independent reads go together: the round's close waits for two round trips, not four.
@@ -234,12 +245,13 @@ class FedAvg:
         *,
         devices: Sequence[str] | None = None,
         fresh: bool = False,
-    ) -> _RoundView:
-        """Hands out ``name`` tasks for the round and waits until the round can close.
+    ) -> list[Result]:
+        """Hands out ``name`` tasks for the round, waits until the round can close, and closes it.
 
-        With ``devices`` the tasks go to exactly those devices (evaluation) and whatever arrives by
-        the deadline is returned. Resumable: tasks already in the store for this round are picked up
-        as they are, unless ``fresh`` says this driver knows there are none.
+        Returns the round's succeeded, accepted results. With ``devices`` the tasks go to exactly
+        those devices (evaluation) and whatever arrives by the deadline is returned. Resumable: tasks
+        already in the store for this round are picked up as they are, unless ``fresh`` says this
+        driver knows there are none.
         """
         retries = 0
         run_id = ctx.run.run_id
@@ -262,12 +274,12 @@ class FedAvg:
                 if now >= deadline or summary.owing == 0:
                     await ctx.store.close_round_tasks(run_id=run_id, round=round_no, name=name)
                     if summary.succeeded >= needed:  # results only add up: no need to count again
-                        return await self._view(ctx, round_no, name)
+                        return await self._succeeded(ctx, round_no, name)
                     continue
                 await self._pause(ctx, (deadline - now).total_seconds(), owing=summary.owing)
                 continue
             if summary.succeeded >= needed:
-                return await self._view(ctx, round_no, name)
+                return await self._succeeded(ctx, round_no, name)
             retries += 1
             if self.params.round_failure_policy == "fail" or retries > self.params.max_round_retries:
                 got = summary.succeeded
