@@ -115,7 +115,7 @@ async def test_directory_blobs_with_any_database(store_url: str, tmp_path: Path,
 @pytest.mark.parametrize("backend", ["sqlite-file"], indirect=True)
 async def test_sqlite_file_keeps_blobs_next_to_it_or_inside(store_url: str, tmp_path: Path) -> None:
     async with open_store(store_url) as store:
-        ref = await store.blobs.put_bytes(b"x" * 10)
+        ref = await store.blobs.put_bytes(BIG)
     assert (tmp_path / "fedlink.db.blobs" / "objects" / ref.sha256[:2] / ref.sha256).exists()
     async with open_store(store_url, blobs_in_database=True) as store:
         inside = await store.blobs.put_bytes(b"y" * 10)

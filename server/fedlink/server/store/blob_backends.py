@@ -1,8 +1,9 @@
-"""Where blob bytes live: in the database in chunks, or in a directory on disk.
+"""Where blob bytes live: in the database in chunks, or in a directory on disk (small blobs as rows).
 
 Blob metadata (the ``blobs`` and ``blob_uploads`` tables) is always in the database; a backend only
 keeps bytes, under an upload key while an upload is in flight and under the sha256 once committed.
-Backends never hold a whole blob in memory: they take and give chunks.
+Backends never hold a whole large blob in memory: they take and give chunks. When blob files are
+fsynced is decided in one place, :func:`blob_files_need_fsync`.
 """
 
 from __future__ import annotations
@@ -21,12 +22,22 @@ from fedlink.server.store.dialect import Database
 from fedlink.server.store.protocol import CHUNK_SIZE
 from fedlink.server.store.schema import blob_chunks
 
+#: Largest blob ``put_many`` keeps as a row (one chunk) when blobs otherwise go to files.
+SMALL_BLOB_BYTES = 256 * 1024
+
 
 class BlobBytes(Protocol):
     """The byte-keeping half of the blob store."""
 
     async def write(self, conn: AsyncConnection, key: str, offset: int, data: bytes) -> None:
-        """Write ``data`` at ``offset`` of the bytes under ``key`` (truncating anything after it)."""
+        """Write ``data`` at ``offset`` of the bytes under ``key`` (truncating anything after it).
+
+        Not yet durable: :meth:`sync` makes it so before the blob is committed.
+        """
+        ...
+
+    async def sync(self, key: str) -> None:
+        """Make the bytes under upload ``key`` as durable as the row that will reference them."""
         ...
 
     async def rename(self, conn: AsyncConnection, key: str, sha256: str) -> None:
@@ -41,12 +52,16 @@ class BlobBytes(Protocol):
         """Yield the bytes under ``key`` from ``offset`` in chunks of at most ``chunk_size``."""
         ...
 
-    async def prepare_objects(self, items: Sequence[tuple[str, bytes]]) -> None:
-        """Before the transaction that records blobs ``(sha256, data)``: store what lives outside it."""
+    def in_rows(self, size_bytes: int) -> bool:
+        """Tell whether a blob of ``size_bytes`` is a row (:meth:`insert_objects`) or not."""
         ...
 
-    async def insert_objects(self, conn: AsyncConnection, items: Sequence[tuple[str, bytes]]) -> None:
-        """Inside that transaction: store what lives in the database."""
+    async def prepare_objects(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Before the transaction that records blobs ``(sha256, data)``: store those not :meth:`in_rows`."""
+        ...
+
+    def insert_objects(self, conn: sa.Connection, items: Sequence[tuple[str, bytes]]) -> None:
+        """Inside that transaction: store those :meth:`in_rows` (the caller passes only new blobs)."""
         ...
 
 
@@ -60,6 +75,14 @@ async def sha256_of(source: BlobBytes, key: str) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
+def _chunk_rows(key: str, offset: int, data: bytes) -> list[dict[str, object]]:
+    return [
+        {"blob_key": key, "offset": offset + start, "size": len(piece), "data": piece}
+        for start in range(0, len(data), CHUNK_SIZE)
+        if (piece := data[start : start + CHUNK_SIZE])
+    ]
+
+
 class DatabaseBytes:
     """Blob bytes in the ``blob_chunks`` table: shared by every coordinator on the same database."""
 
@@ -71,27 +94,28 @@ class DatabaseBytes:
         await conn.execute(
             sa.delete(blob_chunks).where(blob_chunks.c.blob_key == key, blob_chunks.c.offset >= offset)
         )
-        rows = [
-            {"blob_key": key, "offset": offset + start, "size": len(piece), "data": piece}
-            for start in range(0, len(data), CHUNK_SIZE)
-            if (piece := data[start : start + CHUNK_SIZE])
-        ]
-        if rows:
+        if rows := _chunk_rows(key, offset, data):
             await conn.execute(sa.insert(blob_chunks), rows)
+
+    async def sync(self, key: str) -> None:
+        """Chunks are rows: they commit with the blob."""
+
+    def in_rows(self, size_bytes: int) -> bool:
+        """Every blob is kept in rows."""
+        return True
 
     async def prepare_objects(self, items: Sequence[tuple[str, bytes]]) -> None:
         """Nothing lives outside the database."""
 
-    async def insert_objects(self, conn: AsyncConnection, items: Sequence[tuple[str, bytes]]) -> None:
-        """Write each blob's chunks under its hash, in the caller's transaction."""
-        rows = [
-            {"blob_key": sha256, "offset": start, "size": len(piece), "data": piece}
-            for sha256, data in items
-            for start in range(0, len(data), CHUNK_SIZE)
-            if (piece := data[start : start + CHUNK_SIZE])
-        ]
+    def insert_objects(self, conn: sa.Connection, items: Sequence[tuple[str, bytes]]) -> None:
+        """Write each blob's chunks under its hash, in the caller's transaction.
+
+        Chunks a crash left behind (a blob row deleted, its chunks not yet) hold the same bytes
+        (the key is their hash), so a conflict keeps them.
+        """
+        rows = [row for sha256, data in items for row in _chunk_rows(sha256, 0, data)]
         if rows:
-            await conn.execute(sa.insert(blob_chunks), rows)
+            conn.execute(self._db.insert_ignore(blob_chunks), rows)
 
     async def rename(self, conn: AsyncConnection, key: str, sha256: str) -> None:
         """Re-key the upload's chunks to the blob's hash."""
@@ -103,6 +127,13 @@ class DatabaseBytes:
         """Delete the chunks of ``keys``."""
         if keys:
             await conn.execute(sa.delete(blob_chunks).where(blob_chunks.c.blob_key.in_(list(keys))))
+
+    async def first_chunk(self, key: str) -> bytes | None:
+        """The chunk at offset 0 of ``key`` (None if there is none): a whole blob if it is a small one."""
+        query = sa.select(blob_chunks.c.data).where(blob_chunks.c.blob_key == key, blob_chunks.c.offset == 0)
+        async with self._db.read() as conn:
+            data = (await conn.execute(query)).scalar()
+        return None if data is None else bytes(data)
 
     async def read(self, key: str, offset: int, chunk_size: int) -> AsyncIterator[bytes]:
         """Fetch one stored chunk per query, so memory stays at one chunk."""
@@ -128,16 +159,61 @@ class DatabaseBytes:
                 yield piece[at : at + chunk_size]
 
 
-class DirectoryBytes:
-    """Blob bytes as files under a directory: ``objects/ab/<sha256>`` and ``uploads/<key>``."""
+def blob_files_need_fsync(database: Database) -> bool:
+    """The fsync policy of blob files: a file is durable no later than the row that references it.
 
-    def __init__(self, root: Path) -> None:
+    * PostgreSQL commits are durable (its WAL is flushed at commit), so a blob file is fsynced, and
+      its directory after the rename that names it, before the transaction that records it commits.
+    * A SQLite file runs WAL with ``synchronous=NORMAL``: commits are not fsynced. They survive a
+      crash of the process but not necessarily a power loss, and so does a written file (it is in
+      the page cache); fsyncing files would make blobs more durable than the rows naming them, so
+      no fsync is made. The rows themselves may become durable at a WAL checkpoint before the
+      kernel writes a large blob's file back: after a power loss such a blob can be missing.
+      (Small blobs are rows; this only concerns blobs over :data:`SMALL_BLOB_BYTES`.)
+    * An in-memory SQLite database does not outlive the process: nothing is fsynced.
+
+    An upload's chunks are never fsynced one by one: the file is fsynced once, when the upload
+    commits (its hash is checked then, so a torn upload is discarded, never published).
+    """
+    return not database.is_sqlite
+
+
+def _fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DirectoryBytes:
+    """Blob files under a directory (``objects/ab/<sha256>``, ``uploads/<key>``); small blobs as rows.
+
+    A blob of at most ``small_blob_bytes`` stored by ``put_many`` goes to the ``blob_chunks`` table
+    (one chunk) with the transaction that records it: no file, no fsync, and a round's results can
+    be read back with one query. Blobs written as files before that (or uploaded) are still read
+    from their files: a read looks in the table first. Without a database every blob is a file
+    (and fsynced unless told otherwise).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        database: Database | None = None,
+        *,
+        fsync: bool | None = None,
+        small_blob_bytes: int = SMALL_BLOB_BYTES,
+    ) -> None:
         self._root = root
+        self._rows = DatabaseBytes(database) if database is not None else None
+        #: Whether files are fsynced before the rows naming them commit (see blob_files_need_fsync).
+        self.fsync = (database is None or blob_files_need_fsync(database)) if fsync is None else fsync
+        self._small = min(small_blob_bytes, CHUNK_SIZE) if database is not None else -1
         (root / "objects").mkdir(parents=True, exist_ok=True)
         (root / "uploads").mkdir(parents=True, exist_ok=True)
 
     def _path(self, key: str) -> Path:
-        if len(key) == 64 and all(c in "0123456789abcdef" for c in key):
+        if _is_sha256(key):
             return self._root / "objects" / key[:2] / key
         return self._root / "uploads" / key
 
@@ -148,12 +224,23 @@ class DirectoryBytes:
             f.truncate(offset)
             f.seek(offset)
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
 
     async def write(self, conn: AsyncConnection, key: str, offset: int, data: bytes) -> None:
-        """Write (and fsync) ``data`` at ``offset`` of the file for ``key``."""
+        """Write ``data`` at ``offset`` of the file for ``key`` (no fsync: :meth:`sync` does it once)."""
         await asyncio.to_thread(self._write_sync, key, offset, data)
+
+    def _sync_file(self, key: str) -> None:
+        with open(self._path(key), "rb") as f:
+            os.fsync(f.fileno())
+
+    async def sync(self, key: str) -> None:
+        """Fsync the upload's file if the policy asks for it."""
+        if self.fsync:
+            await asyncio.to_thread(self._sync_file, key)
+
+    def in_rows(self, size_bytes: int) -> bool:
+        """Blobs up to the small-blob threshold are rows."""
+        return size_bytes <= self._small
 
     def _put_objects_sync(self, items: Sequence[tuple[str, bytes]]) -> None:
         for sha256, data in items:
@@ -164,25 +251,33 @@ class DirectoryBytes:
             partial = target.with_name(f".{sha256}.{os.getpid()}.partial")
             with open(partial, "wb") as f:
                 f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
             os.replace(partial, target)  # content-addressed: a file under its hash is always complete
+            if self.fsync:
+                _fsync_directory(target.parent)
 
     async def prepare_objects(self, items: Sequence[tuple[str, bytes]]) -> None:
-        """Write (and fsync) each blob's file under its hash, outside any transaction.
+        """Write each large blob's file under its hash, outside any transaction.
 
-        A crash before the blob rows commit leaves files no row points to; gc removes them.
+        A crash before the blob rows commit leaves files no row points to, which are harmless.
         """
-        if items:
-            await asyncio.to_thread(self._put_objects_sync, items)
+        large = [(sha256, data) for sha256, data in items if not self.in_rows(len(data))]
+        if large:
+            await asyncio.to_thread(self._put_objects_sync, large)
 
-    async def insert_objects(self, conn: AsyncConnection, items: Sequence[tuple[str, bytes]]) -> None:
-        """Nothing lives in the database."""
+    def insert_objects(self, conn: sa.Connection, items: Sequence[tuple[str, bytes]]) -> None:
+        """Store the small blobs as rows of ``blob_chunks``, in the caller's transaction."""
+        if self._rows is not None:
+            self._rows.insert_objects(conn, [(sha, d) for sha, d in items if self.in_rows(len(d))])
 
     def _rename_sync(self, key: str, sha256: str) -> None:
         target = self._path(sha256)
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(self._path(key), target)
+        if self.fsync:
+            _fsync_directory(target.parent)
 
     async def rename(self, conn: AsyncConnection, key: str, sha256: str) -> None:
         """Move the upload's file to its place under ``objects/``."""
@@ -193,8 +288,10 @@ class DirectoryBytes:
             self._path(key).unlink(missing_ok=True)
 
     async def remove(self, conn: AsyncConnection, keys: Collection[str]) -> None:
-        """Delete the files of ``keys``."""
+        """Delete the rows and files of ``keys``."""
         if keys:
+            if self._rows is not None:
+                await self._rows.remove(conn, keys)
             await asyncio.to_thread(self._remove_sync, keys)
 
     def _open_sync(self, key: str, offset: int) -> BinaryIO:
@@ -203,10 +300,16 @@ class DirectoryBytes:
         return f
 
     async def read(self, key: str, offset: int, chunk_size: int) -> AsyncIterator[bytes]:
-        """Read the file for ``key`` chunk by chunk; one worker-thread hop reads a few MiB of chunks.
+        """A small blob from its row; otherwise the file, a few MiB of chunks per worker-thread hop.
 
         The file stays open for the whole read: a blob deleted meanwhile is still read to its end.
         """
+        if self._rows is not None and _is_sha256(key):
+            whole = await self._rows.first_chunk(key)
+            if whole is not None:
+                for at in range(offset, len(whole), chunk_size):
+                    yield whole[at : at + chunk_size]
+                return
         f = await asyncio.to_thread(self._open_sync, key, offset)
         try:
             per_hop = max(1, _READ_AHEAD_BYTES // chunk_size)
@@ -217,6 +320,10 @@ class DirectoryBytes:
                     return
         finally:
             f.close()
+
+
+def _is_sha256(key: str) -> bool:
+    return len(key) == 64 and all(c in "0123456789abcdef" for c in key)
 
 
 #: What one worker-thread hop of DirectoryBytes.read reads: a thread hop per 1 MiB chunk costs more

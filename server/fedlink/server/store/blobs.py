@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 from collections.abc import AsyncIterator, Collection, Sequence
@@ -15,8 +16,9 @@ from fedlink.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from fedlink.server.domain import Blob, Clock, new_id
 from fedlink.server.store.blob_backends import BlobBytes, sha256_of
 from fedlink.server.store.dialect import Database
-from fedlink.server.store.protocol import CHUNK_SIZE, BlobRef
+from fedlink.server.store.protocol import CHUNK_SIZE, READ_BATCH_BYTES, BlobRef
 from fedlink.server.store.schema import (
+    blob_chunks,
     blob_uploads,
     blobs,
     checkpoints,
@@ -27,6 +29,8 @@ from fedlink.server.store.schema import (
 )
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# Hashes per IN list.
+_IN_LIST = 500
 
 
 def _check_sha(sha256: str) -> str:
@@ -37,6 +41,19 @@ def _check_sha(sha256: str) -> str:
 
 def _upload_key(sha256: str) -> str:
     return f"up-{sha256}"
+
+
+def _whole_blobs(sha256s: Sequence[str]) -> sa.Select[Any]:
+    """(sha256, data) of those of ``sha256s`` whose bytes are one ``blob_chunks`` row."""
+    return (
+        sa.select(blobs.c.sha256, blob_chunks.c.data)
+        .join(blob_chunks, blob_chunks.c.blob_key == blobs.c.sha256)
+        .where(
+            blobs.c.sha256.in_(list(dict.fromkeys(sha256s))),
+            blob_chunks.c.offset == 0,
+            blob_chunks.c.size == blobs.c.size_bytes,
+        )
+    )
 
 
 def unreferenced(sha_column: sa.ColumnElement[str]) -> sa.ColumnElement[bool]:
@@ -80,6 +97,7 @@ class SqlBlobStore:
 
     async def _publish(self, key: str, sha256: str, size: int) -> BlobRef:
         """Turn the finished upload under ``key`` into blob ``sha256`` (or drop it if stored already)."""
+        await self._bytes.sync(key)  # durable before the row that names it commits
 
         async def work(conn: AsyncConnection) -> bool:
             inserted = await conn.execute(
@@ -106,6 +124,8 @@ class SqlBlobStore:
 
     async def put_bytes(self, data: bytes) -> BlobRef:
         """Store ``data`` (once per content) and return its reference."""
+        if self._bytes.in_rows(len(data)):
+            return (await self.put_many([data]))[0]
         sha256 = hashlib.sha256(data).hexdigest()
         if await self.exists(sha256):
             return BlobRef(sha256=sha256, size_bytes=len(data))
@@ -121,35 +141,35 @@ class SqlBlobStore:
         """Store many small byte strings (once per content) with one transaction; refs in order.
 
         For the hot path of results: a batch of reports costs one write transaction for all of
-        their payloads, not several per payload.
+        their payloads (one set-based INSERT of the blob rows, one of the bytes kept as rows), not
+        several per payload. Bytes the backend keeps outside the database are written (and made
+        durable) before that transaction.
         """
         refs = [BlobRef(sha256=hashlib.sha256(d).hexdigest(), size_bytes=len(d)) for d in datas]
         wanted = {ref.sha256: data for ref, data in zip(refs, datas, strict=True)}
         if not wanted:
             return refs
-        query = sa.select(blobs.c.sha256)
-        async with self._db.read() as conn:
-            present = set((await conn.execute(query.where(blobs.c.sha256.in_(list(wanted))))).scalars())
-        items = [(sha, data) for sha, data in wanted.items() if sha not in present]
-        if not items:
+        outside = [sha for sha, data in wanted.items() if not self._bytes.in_rows(len(data))]
+        if outside:
+            # Files are written only for blobs not stored yet; a blob already stored is left alone.
+            async with self._db.read() as conn:
+                query = sa.select(blobs.c.sha256).where(blobs.c.sha256.in_(outside))
+                present = set((await conn.execute(query)).scalars())
+            for sha in present:
+                del wanted[sha]
+            await self._bytes.prepare_objects([(sha, wanted[sha]) for sha in outside if sha not in present])
+        if not wanted:
             return refs
-        await self._bytes.prepare_objects(items)
         now = self._clock.now()
+        rows = [{"sha256": sha, "size_bytes": len(data), "created_at": now} for sha, data in wanted.items()]
+        insert = self._db.insert_ignore(blobs).returning(blobs.c.sha256)
 
-        async def work(conn: AsyncConnection) -> None:
-            # A concurrent writer may have stored some meanwhile: one look for all of them.
-            stored = set(
-                (await conn.execute(query.where(blobs.c.sha256.in_([sha for sha, _ in items])))).scalars()
-            )
-            fresh = [(sha, data) for sha, data in items if sha not in stored]
-            await self._bytes.insert_objects(conn, fresh)
-            if fresh:
-                await conn.execute(
-                    self._db.insert_ignore(blobs),
-                    [{"sha256": sha, "size_bytes": len(data), "created_at": now} for sha, data in fresh],
-                )
+        def work(conn: sa.Connection) -> None:
+            # Only the rows this transaction inserted get their bytes: a concurrent writer's are in.
+            fresh = set(conn.execute(insert, rows).scalars())
+            self._bytes.insert_objects(conn, [(sha, data) for sha, data in wanted.items() if sha in fresh])
 
-        await self._db.write(work)
+        await self._db.write_sync(work)
         return refs
 
     async def put_stream(self, chunks: AsyncIterator[bytes]) -> BlobRef:
@@ -299,11 +319,19 @@ class SqlBlobStore:
             raise InvalidArgument(f"offset {offset} is outside blob {sha256} of {blob.size_bytes} bytes")
         if chunk_size < 1:
             raise InvalidArgument(f"chunk_size must be >= 1, got {chunk_size}")
+        if offset == blob.size_bytes:
+            return
         async for chunk in self._bytes.read(sha256, offset, chunk_size):
             yield chunk
 
     async def read(self, sha256: str, offset: int = 0, size: int | None = None) -> bytes:
         """Return ``size`` bytes from ``offset`` (to the end if None): for small blobs and ranges."""
+        if offset == 0 and size is None:
+            # A blob kept as one row comes with its metadata in one query.
+            async with self._db.read() as conn:
+                row = (await conn.execute(_whole_blobs([sha256]))).first()
+            if row is not None:
+                return bytes(row.data)
         parts: list[bytes] = []
         remaining = size
         async for chunk in self.iter_chunks(sha256, offset):
@@ -314,6 +342,63 @@ class SqlBlobStore:
             if remaining == 0:
                 break
         return b"".join(parts)
+
+    async def read_each(
+        self, sha256s: Sequence[str], *, batch_bytes: int = READ_BATCH_BYTES
+    ) -> AsyncIterator[bytes]:
+        """Yield the bytes of each of ``sha256s``, in order (a hash may repeat).
+
+        Consecutive blobs kept as single rows are fetched together, one query per ``batch_bytes``
+        of them; any other blob is read whole on its own. The next batch is fetched while the
+        caller works on this one, so memory holds about two batches (or two large blobs).
+
+        Raises:
+            NotFound: when the iteration reaches a hash that is not stored.
+        """
+        sizes: dict[str, int] = {}
+        unique = list(dict.fromkeys(sha256s))
+        for start in range(0, len(unique), _IN_LIST):
+            query = sa.select(blobs.c.sha256, blobs.c.size_bytes).where(
+                blobs.c.sha256.in_(unique[start : start + _IN_LIST])
+            )
+            async with self._db.read() as conn:
+                sizes.update((row.sha256, row.size_bytes) for row in await conn.execute(query))
+        batches: list[list[str]] = []
+        room = -1  # bytes the last batch may still take; -1 once it is closed
+        for sha in sha256s:
+            size = sizes.get(sha)
+            if size is None or not self._bytes.in_rows(size) or size > batch_bytes:
+                batches.append([sha])  # read on its own
+                room = -1
+            elif size <= room and len(batches[-1]) < _IN_LIST:
+                batches[-1].append(sha)
+                room -= size
+            else:
+                batches.append([sha])
+                room = batch_bytes - size
+        pending: asyncio.Task[list[bytes]] | None = None
+        try:
+            for index, batch in enumerate(batches):
+                current = pending or asyncio.ensure_future(self._read_batch(batch))
+                pending = None
+                datas = await current
+                if index + 1 < len(batches):
+                    pending = asyncio.ensure_future(self._read_batch(batches[index + 1]))
+                for data in datas:
+                    yield data
+        finally:
+            if pending is not None:
+                pending.cancel()
+                if pending.done() and not pending.cancelled():
+                    pending.exception()  # retrieved: the caller stopped before it mattered
+
+    async def _read_batch(self, batch: Sequence[str]) -> list[bytes]:
+        found: dict[str, bytes] = {}
+        if len(batch) > 1:
+            async with self._db.read() as conn:
+                found = {row.sha256: bytes(row.data) for row in await conn.execute(_whole_blobs(batch))}
+        # Blobs kept elsewhere (files, several chunks) and any hash that is not stored (NotFound).
+        return [found[sha] if sha in found else await self.read(sha) for sha in batch]
 
     async def delete(self, sha256: str) -> int:
         """Delete a blob even if referenced; return the bytes freed (0 if it was not stored)."""

@@ -35,6 +35,8 @@ T = TypeVar("T")
 
 #: How many bytes a blob chunk holds by default when streamed or stored.
 CHUNK_SIZE = 1024 * 1024
+#: Bytes of small blobs a bulk read (``BlobStore.read_each``) fetches with one query.
+READ_BATCH_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -192,6 +194,12 @@ class BlobStore(Protocol):
 
     def iter_chunks(self, sha256: str, offset: int = 0, chunk_size: int = CHUNK_SIZE) -> AsyncIterator[bytes]:
         """Yield the blob's bytes from ``offset`` in chunks of at most ``chunk_size`` bytes."""
+        ...
+
+    def read_each(
+        self, sha256s: Sequence[str], *, batch_bytes: int = READ_BATCH_BYTES
+    ) -> AsyncIterator[bytes]:
+        """Yield each blob's whole bytes in order, small ones fetched in bulk (NotFound if one is missing)."""
         ...
 
     async def delete(self, sha256: str) -> int:

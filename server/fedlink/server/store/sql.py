@@ -153,7 +153,9 @@ async def create_store(
         await database.dispose()
         raise
     directory = None if blobs_in_database else (blob_dir or default_blob_dir(url))
-    backend: BlobBytes = DirectoryBytes(directory) if directory is not None else DatabaseBytes(database)
+    backend: BlobBytes = (
+        DirectoryBytes(directory, database) if directory is not None else DatabaseBytes(database)
+    )
     the_clock = clock or SystemClock()
     log.info("state store open", extra={"database": make_url(url).render_as_string(hide_password=True)})
     return SqlStateStore(database, the_clock, SqlBlobStore(database, the_clock, backend))

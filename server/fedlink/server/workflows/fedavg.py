@@ -8,8 +8,9 @@ state lives in the store (tasks, assignments, results), so a restarted coordinat
 was: acknowledged results count once, and no device is asked to redo a task it reported.
 
 Aggregation folds the round's accepted results one at a time in device-id order (the store's
-canonical order; the next few are read ahead) into float64 accumulators: memory grows with the model,
-not with the results, and the same results give the same bits.
+canonical order) into float64 accumulators; small result blobs are read in bulk, a batch of a few
+megabytes per query, the next batch while this one is folded: memory grows with the model and the
+batch, not with the results, and the same results give the same bits.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ import asyncio
 import json
 import logging
 import math
-from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -45,8 +45,9 @@ from fedlink.server.workflows.base import WorkflowContext
 
 log = logging.getLogger(__name__)
 
-#: Result blobs read ahead of the one being aggregated.
-_READ_AHEAD = 4
+#: A round owing at most this many results is checked at every progress signal (no throttling):
+#: the last result then closes the round at once, for a bounded number of extra store reads.
+_EAGER_OWING = 8
 _LOST = frozenset({AssignmentState.EXPIRED, AssignmentState.RELEASED, AssignmentState.FAILED})
 
 
@@ -183,40 +184,56 @@ class FedAvg:
         if model_sha is None:
             raise InvalidArgument("the job has no initial model")
         for round_no in range(run.round + 1, self.params.num_rounds + 1):
-            model_sha = await self._round(ctx, round_no, model_sha)
+            # Only the first round may be resumed; the later ones start here, with no tasks yet.
+            model_sha = await self._round(ctx, round_no, model_sha, fresh=round_no > run.round + 1)
 
     # ---- one round ----
-    async def _round(self, ctx: WorkflowContext, round_no: int, model_sha: str) -> str:
-        train = await self._collect(ctx, round_no, TRAIN_TASK, model_sha)
+    async def _round(self, ctx: WorkflowContext, round_no: int, model_sha: str, *, fresh: bool) -> str:
+        train = await self._collect(ctx, round_no, TRAIN_TASK, model_sha, fresh=fresh)
         global_model = DXO.from_bytes(await ctx.store.blobs.read(model_sha))
-        new_model, train_metrics = await self._aggregate(ctx, global_model, train.succeeded(), round_no)
+        new_model, train_metrics = await self._aggregate(ctx, global_model, train, round_no)
         new_ref = await ctx.store.blobs.put_bytes(new_model.to_bytes())
         metrics = dict(train_metrics)
         if self.params.evaluate:
-            devices = sorted(r.device_id for r in train.succeeded())
+            devices = sorted(r.device_id for r in train)
             evaluation = await self._collect(ctx, round_no, EVALUATE_TASK, new_ref.sha256, devices=devices)
-            metrics.update(await self._metrics(ctx, evaluation.succeeded(), prefix="eval_"))
+            metrics.update(await self._metrics(ctx, evaluation, prefix="eval_"))
         metrics_json = json.dumps(metrics, sort_keys=True)
         await ctx.store.save_checkpoint(
             ctx.run.run_id, round_no, new_ref.sha256, metrics_json, keep_last=self.params.keep_checkpoints
         )
         await ctx.events.emit(
-            ctx.job, "round_closed", round_no, {"num_results": len(train.succeeded()), "metrics": metrics}
+            ctx.job, "round_closed", round_no, {"num_results": len(train), "metrics": metrics}
         )
         log.info("round closed", extra={"job_id": ctx.job.job_id, "round": round_no, **metrics})
         return new_ref.sha256
 
+    async def _succeeded(self, ctx: WorkflowContext, round_no: int, name: str) -> list[Result]:
+        """The closed round's results to aggregate (as :meth:`_view` has them, without its other reads)."""
+        run_id = ctx.run.run_id
+        all_tasks, all_results = await asyncio.gather(
+            ctx.store.list_tasks(run_id, round=round_no),
+            ctx.store.list_results(run_id=run_id, round=round_no, accepted_only=False),
+        )
+        ids = {t.task_id for t in all_tasks if t.name == name}
+        by_task = {r.task_id: r for r in all_results if r.task_id in ids and not r.stale}
+        return [r for r in by_task.values() if r.status is ResultStatus.SUCCEEDED and r.accepted]
+
     async def _view(self, ctx: WorkflowContext, round_no: int, name: str) -> _RoundView:
-        tasks = [t for t in await ctx.store.list_tasks(ctx.run.run_id, round=round_no) if t.name == name]
+        # Independent reads go together: the round's close waits for two round trips, not four.
+        run_id = ctx.run.run_id
+        all_tasks, all_results = await asyncio.gather(
+            ctx.store.list_tasks(run_id, round=round_no),
+            ctx.store.list_results(run_id=run_id, round=round_no, accepted_only=False),
+        )
+        tasks = [t for t in all_tasks if t.name == name]
         ids = [t.task_id for t in tasks]
-        assignments = {a.task_id: a for a in await ctx.store.list_assignments(task_ids=ids)}
+        listed, targets = await asyncio.gather(
+            ctx.store.list_assignments(task_ids=ids), ctx.store.task_targets(task_ids=ids)
+        )
+        assignments = {a.task_id: a for a in listed}
         wanted = set(ids)
-        results = {
-            r.task_id: r
-            for r in await ctx.store.list_results(run_id=ctx.run.run_id, round=round_no, accepted_only=False)
-            if r.task_id in wanted and not r.stale
-        }
-        targets = await ctx.store.task_targets(task_ids=ids)
+        results = {r.task_id: r for r in all_results if r.task_id in wanted and not r.stale}
         return _RoundView(tasks, assignments, results, targets)
 
     async def _collect(
@@ -227,15 +244,19 @@ class FedAvg:
         payload_sha: str,
         *,
         devices: Sequence[str] | None = None,
-    ) -> _RoundView:
-        """Hands out ``name`` tasks for the round and waits until the round can close.
+        fresh: bool = False,
+    ) -> list[Result]:
+        """Hands out ``name`` tasks for the round, waits until the round can close, and closes it.
 
-        With ``devices`` the tasks go to exactly those devices (evaluation) and whatever arrives by
-        the deadline is returned. Resumable: tasks already in the store for this round are picked up
-        as they are.
+        Returns the round's succeeded, accepted results. With ``devices`` the tasks go to exactly
+        those devices (evaluation) and whatever arrives by the deadline is returned. Resumable: tasks
+        already in the store for this round are picked up as they are, unless ``fresh`` says this
+        driver knows there are none.
         """
         retries = 0
         run_id = ctx.run.run_id
+        if fresh:
+            await self._start_wave(ctx, round_no, name, payload_sha, None, devices, wave=0)
         while True:
             summary = await ctx.store.round_summary(run_id=run_id, round=round_no, name=name)
             if summary.tasks == 0:
@@ -252,11 +273,13 @@ class FedAvg:
                         continue
                 if now >= deadline or summary.owing == 0:
                     await ctx.store.close_round_tasks(run_id=run_id, round=round_no, name=name)
+                    if summary.succeeded >= needed:  # results only add up: no need to count again
+                        return await self._succeeded(ctx, round_no, name)
                     continue
-                await self._pause(ctx, (deadline - now).total_seconds())
+                await self._pause(ctx, (deadline - now).total_seconds(), owing=summary.owing)
                 continue
             if summary.succeeded >= needed:
-                return await self._view(ctx, round_no, name)
+                return await self._succeeded(ctx, round_no, name)
             retries += 1
             if self.params.round_failure_policy == "fail" or retries > self.params.max_round_retries:
                 got = summary.succeeded
@@ -268,13 +291,16 @@ class FedAvg:
             view = await self._view(ctx, round_no, name)
             await self._start_wave(ctx, round_no, name, payload_sha, view, devices, wave=retries)
 
-    async def _pause(self, ctx: WorkflowContext, until_deadline: float) -> None:
+    async def _pause(self, ctx: WorkflowContext, until_deadline: float, *, owing: int) -> None:
         """Waits for progress, but checks the store at most every ``min_check_seconds``.
 
-        Results arrive one by one; waking on each would re-read the round per result.
+        Results arrive one by one; waking on each would re-read the round per result. A round that
+        owes only a few results is checked at each signal, so its last result closes it at once.
         """
         started = asyncio.get_running_loop().time()
         await ctx.progress.wait(min(self._poll, max(0.0, until_deadline)))
+        if owing <= _EAGER_OWING:
+            return
         rest = self._min_check - (asyncio.get_running_loop().time() - started)
         if rest > 0:
             await asyncio.sleep(min(rest, max(0.0, until_deadline)))
@@ -388,7 +414,8 @@ class FedAvg:
         average = WeightedAverage(spec)
         metrics = _MetricAverage()
         ordered = [r.payload_sha256 for r in sorted(results, key=lambda r: r.device_id) if r.payload_sha256]
-        async for update in _read_ahead(ctx, ordered):
+        async for payload in ctx.store.blobs.read_each(ordered):
+            update = DXO.from_bytes(payload)
             weight = weight_of(update)
             data = update.data
             if update.kind is DataKind.WEIGHTS:  # as a difference, so WEIGHTS and WEIGHT_DIFF mix
@@ -410,10 +437,9 @@ class FedAvg:
         self, ctx: WorkflowContext, results: Sequence[Result], *, prefix: str
     ) -> dict[str, float]:
         metrics = _MetricAverage()
-        for result in sorted(results, key=lambda r: r.device_id):
-            if result.payload_sha256 is None:
-                continue
-            dxo = DXO.from_bytes(await ctx.store.blobs.read(result.payload_sha256))
+        ordered = [r.payload_sha256 for r in sorted(results, key=lambda r: r.device_id) if r.payload_sha256]
+        async for payload in ctx.store.blobs.read_each(ordered):
+            dxo = DXO.from_bytes(payload)
             try:
                 weight = weight_of(dxo)
             except InvalidArgument:
@@ -422,23 +448,6 @@ class FedAvg:
             scalars = {k: float(v) for k, v in dxo.data.items() if v.size == 1 and v.dtype.kind in "fiu"}
             metrics.add({**scalars, **dxo.meta}, weight)
         return {prefix + k if not k.startswith(prefix) else k: v for k, v in metrics.result().items()}
-
-
-async def _read_ahead(ctx: WorkflowContext, shas: Sequence[str]) -> AsyncIterator[DXO]:
-    """The results' DXOs in the given order, the next few read while the current one is folded in.
-
-    One read at a time would leave the round's close waiting on the store once per result; a small
-    window keeps memory at a few models, not the round's results.
-    """
-    pending: deque[asyncio.Task[bytes]] = deque()
-    try:
-        for index in range(len(shas)):
-            while len(pending) < _READ_AHEAD and index + len(pending) < len(shas):
-                pending.append(asyncio.ensure_future(ctx.store.blobs.read(shas[index + len(pending)])))
-            yield DXO.from_bytes(await pending.popleft())
-    finally:
-        for task in pending:
-            task.cancel()
 
 
 class _MetricAverage:
