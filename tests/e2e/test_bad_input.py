@@ -32,6 +32,7 @@ RUNNER = runner_service_pb2.DESCRIPTOR.services_by_name["RunnerService"]
 CONTROL = cpb.DESCRIPTOR.services_by_name["ControlService"]
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
+DENIED = grpc.StatusCode.PERMISSION_DENIED
 PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 MODEL = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(3, np.float32)}
 MAX_MESSAGE_BYTES = 256 * 1024
@@ -321,7 +322,8 @@ async def test_bad_results_are_refused_and_the_good_aggregate_is_exact(tmp_path:
         for label, request, code, fragments in (
             ("SUCCEEDED without a result", no_result, INVALID, ("needs a result",)),
             ("status not set", unspecified, INVALID, ("status",)),
-            ("result blob never uploaded", missing_blob, NOT_FOUND, ("not uploaded",)),
+            # As for another device's blob: whether a blob exists is nothing a device may probe.
+            ("result blob never uploaded", missing_blob, DENIED, ("not uploaded",)),
         ):
             try:
                 await expect(send(r.m, request), code, *fragments)

@@ -179,7 +179,7 @@ class Coordinator:
             (
                 method_handlers(
                     RUNNER_SERVICE,
-                    RunnerServicer(device_protocol, store.blobs, max_blob_bytes=2 * 1024**3),
+                    RunnerServicer(device_protocol, store, max_blob_bytes=2 * 1024**3),
                     device_auth,
                     self.telemetry,
                 ),

@@ -30,6 +30,7 @@ from fedlink.server.core import CoordinatorCore
 from fedlink.server.credentials import hash_credential
 from fedlink.server.domain import Device, ResultStatus
 from fedlink.server.protocol.device import ResultInput, TaskReply
+from fedlink.server.protocol.possession import put_device_bytes
 from fedlink.simulation.heterogeneity import DeviceRound, Heterogeneity
 
 __all__ = ["DeviceHub", "InProcessTransport", "LiveCounts"]
@@ -260,8 +261,8 @@ class InProcessTransport(Transport):
         return await self._hub.core.store.blobs.read(sha256)
 
     async def upload_blob(self, data: bytes) -> str:
-        """Stores bytes as a blob."""
-        return (await self._hub.core.store.blobs.put_bytes(data)).sha256
+        """Stores bytes as a blob the device holds (it may report it), as an upload over gRPC does."""
+        return (await put_device_bytes(self._hub.core.store, self._need_device().device_id, data)).sha256
 
 
 def _offer(reply: TaskReply, data: DXO | None) -> TaskOffer:

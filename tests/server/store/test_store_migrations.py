@@ -17,7 +17,16 @@ from fedlink.common.errors import SchemaMismatch
 from fedlink.server.cli.db import db_group
 from fedlink.server.store import current_revision, downgrade, head_revision, open_store, upgrade
 from fedlink.server.store.dialect import Database
-from fedlink.server.store.schema import jobs, metadata, runs, task_offers, task_targets, tasks
+from fedlink.server.store.schema import (
+    blob_grants,
+    blobs,
+    jobs,
+    metadata,
+    runs,
+    task_offers,
+    task_targets,
+    tasks,
+)
 from fedlink.server.store.testing import create_pg_database, drop_pg_database
 
 EXPECTED_TABLES = {t.name for t in metadata.sorted_tables}
@@ -174,5 +183,48 @@ async def test_upgrade_to_0003_offers_the_targets_of_open_tasks_only(empty_url: 
             assert await offers(conn) == {("open", "d0", "j"), ("open", "d1", "j")}
         await downgrade(empty_url, "0002_claim_lookups")
         assert "task_offers" not in await tables(empty_url)
+    finally:
+        await database.dispose()
+
+
+async def test_0004_blob_grants_go_with_their_blob_and_down_leaves_the_blobs(empty_url: str) -> None:
+    await upgrade(empty_url, "0003_task_offers")
+    now = datetime.now(UTC)
+    kept, dropped = "a" * 64, "b" * 64
+    database = Database(empty_url)
+
+    async def fill(conn: AsyncConnection) -> None:
+        await conn.execute(
+            sa.insert(blobs), [{"sha256": sha, "size_bytes": 1, "created_at": now} for sha in (kept, dropped)]
+        )
+
+    async def grant(conn: AsyncConnection) -> None:
+        await conn.execute(
+            sa.insert(blob_grants),
+            [{"sha256": s, "device_id": d, "created_at": now} for s in (kept, dropped) for d in ("d0", "d1")],
+        )
+
+    async def drop(conn: AsyncConnection) -> None:
+        await conn.execute(sa.delete(blobs).where(blobs.c.sha256 == dropped))
+
+    async def grants(conn: AsyncConnection) -> set[tuple[str, str]]:
+        found = await conn.execute(sa.select(blob_grants.c.sha256, blob_grants.c.device_id))
+        return {(s, d) for s, d in found}
+
+    try:
+        await database.write(fill)
+        await upgrade(empty_url)
+        assert await current_revision(empty_url) == "0004_blob_grants"
+        await database.write(grant)
+        await database.write(drop)  # the migrated foreign key cascades, on SQLite too
+        async with database.read() as conn:
+            assert await grants(conn) == {(kept, "d0"), (kept, "d1")}
+        await downgrade(empty_url, "0003_task_offers")
+        assert "blob_grants" not in await tables(empty_url)
+        async with database.read() as conn:
+            assert list((await conn.execute(sa.select(blobs.c.sha256))).scalars()) == [kept]
+        await upgrade(empty_url)
+        async with database.read() as conn:
+            assert await grants(conn) == set()  # blobs stored before 0004 are uploaded again to be held
     finally:
         await database.dispose()

@@ -9,11 +9,12 @@ from fedlink.common.errors import InvalidArgument
 from fedlink.common.status import DeviceStatus
 from fedlink.common.version import PROTOCOL_VERSION
 from fedlink.server.api.rpc import Call
-from fedlink.server.api.uploads import receive_stream, upload_status
+from fedlink.server.api.uploads import split_upload
 from fedlink.server.domain import Device, ResultStatus
 from fedlink.server.protocol.device import DeviceProtocol, ResultInput, TaskReply
+from fedlink.server.protocol.possession import receive_device_upload, upload_status
 from fedlink.server.protocol.transfers import send_blob
-from fedlink.server.store import BlobStore
+from fedlink.server.store import StateStore
 from fedlink.v1 import dxo_pb2, states_pb2
 from fedlink.v1 import runner_service_pb2 as pb
 
@@ -34,9 +35,10 @@ _RESULT_STATUS = {
 class RunnerServicer:
     """Implements fedlink.v1.RunnerService over :class:`DeviceProtocol`."""
 
-    def __init__(self, protocol: DeviceProtocol, blobs: BlobStore, *, max_blob_bytes: int) -> None:
+    def __init__(self, protocol: DeviceProtocol, store: StateStore, *, max_blob_bytes: int) -> None:
         self._protocol = protocol
-        self._blobs = blobs
+        self._store = store
+        self._blobs = store.blobs
         self._max_blob_bytes = max_blob_bytes
         self._payloads: dict[str, dxo_pb2.Dxo] = {}
 
@@ -163,7 +165,17 @@ class RunnerServicer:
     async def UploadBlob(
         self, requests: AsyncIterator[pb.UploadBlobRequest], call: Call
     ) -> pb.UploadBlobResponse:
-        ref = await receive_stream(self._blobs, requests, max_bytes=self._max_blob_bytes)
+        # The device's own upload: it proves the device holds the bytes (stored once whoever uploads).
+        header, chunks = await split_upload(requests)
+        ref = await receive_device_upload(
+            self._store,
+            self._device(call).device_id,
+            sha256=header.sha256,
+            size_bytes=header.size_bytes,
+            offset=header.offset,
+            chunks=chunks,
+            max_bytes=self._max_blob_bytes,
+        )
         response = pb.UploadBlobResponse()
         response.blob.sha256 = ref.sha256
         response.blob.size_bytes = ref.size_bytes
@@ -172,7 +184,8 @@ class RunnerServicer:
     async def GetBlobUploadStatus(
         self, request: pb.GetBlobUploadStatusRequest, call: Call
     ) -> pb.GetBlobUploadStatusResponse:
-        received, complete = await upload_status(self._blobs, request.sha256)
+        # Only the device's own upload: a blob it does not hold reads as nothing received.
+        received, complete = await upload_status(self._store, self._device(call).device_id, request.sha256)
         return pb.GetBlobUploadStatusResponse(received_bytes=received, complete=complete)
 
     async def DownloadBlob(self, request: pb.DownloadBlobRequest, call: Call) -> AsyncIterator[Serialized]:

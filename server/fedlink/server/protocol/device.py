@@ -42,6 +42,7 @@ from fedlink.server.domain import (
 from fedlink.server.protocol.batching import Batcher
 from fedlink.server.protocol.cookies import Cookie, CookieSigner
 from fedlink.server.protocol.notify import TaskNotifier
+from fedlink.server.protocol.possession import require_held
 from fedlink.server.protocol.reads import JobReads, remember
 from fedlink.server.protocol.results import ResultValidator
 from fedlink.server.store import ClaimRequest, RecordOutcome, ResultReport, StateStore, all_items
@@ -458,6 +459,8 @@ class DeviceProtocol:
         """Validates and durably records a device's result; OK only once it is stored."""
         assignment = await self._held_assignment(device, report.job_id, report.task_id, report.cookie)
         task = await self._task(assignment.task_id)
+        if report.status is ResultStatus.SUCCEEDED and report.inline is None and report.blob_sha256:
+            await require_held(self._store, device.device_id, report.blob_sha256)  # proof of possession
         try:
             payload_sha, inline = await self._stage_payload(task, report)
         except InvalidArgument:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fedlink.common.errors import InvalidArgument, ResourceExhausted
 from fedlink.server.store import CHUNK_SIZE, BlobRef, BlobStore
@@ -28,23 +28,28 @@ async def receive_upload(
     offset: int,
     chunks: AsyncIterator[bytes],
     max_bytes: int,
+    owner: str | None = None,
+    held: Callable[[str], Awaitable[bool]] | None = None,
 ) -> BlobRef:
     """Stores the chunks of an upload from ``offset``; commits (sha256-checked) once all bytes are in.
 
     The upload can be resumed: a dropped stream keeps what arrived, and ``received`` tells the next
     stream where to start. A stream that starts at another offset than the bytes received gets
     FAILED_PRECONDITION from the store, with the offset to resume from.
+
+    ``held`` tells whether the uploader holds the blob already (nothing to upload); by default,
+    whether it is stored. An ``owner``'s upload is its own (see :meth:`BlobStore.begin_upload`).
     """
     check_sha256(sha256)
     if size_bytes < 0:
         raise InvalidArgument("size_bytes must not be negative")
     if size_bytes > max_bytes:
         raise ResourceExhausted(f"the blob is {size_bytes} bytes, over the limit of {max_bytes}")
-    if await blobs.exists(sha256):
+    if await (blobs.exists if held is None else held)(sha256):
         async for _ in chunks:  # already stored: nothing to keep, but drain what the client sends
             pass
         return BlobRef(sha256=sha256, size_bytes=size_bytes)
-    received = await blobs.begin_upload(sha256, size_bytes)
+    received = await blobs.begin_upload(sha256, size_bytes, owner=owner)
     if offset != received:
         raise InvalidArgument(f"the upload must resume at offset {received}, not {offset}")
     async for chunk in chunks:
@@ -52,12 +57,12 @@ async def receive_upload(
             raise InvalidArgument(f"a chunk may hold at most {MAX_CHUNK_BYTES} bytes")
         if received + len(chunk) > size_bytes:
             raise InvalidArgument(f"the upload sends more than the {size_bytes} bytes it announced")
-        received = await blobs.append_upload(sha256, received, chunk)
+        received = await blobs.append_upload(sha256, received, chunk, owner=owner)
     if received < size_bytes:
         raise InvalidArgument(
             f"the stream ended after {received} of {size_bytes} bytes: resume from offset {received}"
         )
-    return await blobs.commit_upload(sha256)
+    return await blobs.commit_upload(sha256, owner=owner)
 
 
 async def send_blob(

@@ -39,8 +39,12 @@ def _check_sha(sha256: str) -> str:
     return sha256
 
 
-def _upload_key(sha256: str) -> str:
-    return f"up-{sha256}"
+def _upload_key(sha256: str, owner: str | None = None) -> str:
+    if owner is None:
+        return f"up-{sha256}"
+    # Each owner's upload of the content is its own (resumed by it alone), under a key nobody can
+    # announce as a sha256 of theirs.
+    return "ud-" + hashlib.sha256(f"{owner}\n{sha256}".encode()).hexdigest()
 
 
 def _whole_blobs(sha256s: Sequence[str]) -> sa.Select[Any]:
@@ -214,20 +218,23 @@ class SqlBlobStore:
         await self._db.write(work)
         await self._remove_bytes([key])
 
-    async def begin_upload(self, sha256: str, size_bytes: int) -> int:
-        """Start (or resume) an upload of a blob with a known hash; return the bytes received so far."""
+    async def begin_upload(self, sha256: str, size_bytes: int, *, owner: str | None = None) -> int:
+        """Start (or resume) an upload of a blob with a known hash; return the bytes received so far.
+
+        With an ``owner`` the upload is that owner's own, and goes on even if the blob is stored:
+        its bytes prove the owner holds them (see :meth:`commit_upload`).
+        """
         _check_sha(sha256)
         if size_bytes < 0:
             raise InvalidArgument(f"size_bytes must be >= 0, got {size_bytes}")
-        await self._insert_upload(_upload_key(sha256), sha256, size_bytes)
+        key = _upload_key(sha256, owner)
+        await self._insert_upload(key, sha256, size_bytes)
         async with self._db.read() as conn:
             blob = await self._blob_row(conn, sha256)
             upload = (
-                await conn.execute(
-                    sa.select(blob_uploads).where(blob_uploads.c.upload_key == _upload_key(sha256))
-                )
+                await conn.execute(sa.select(blob_uploads).where(blob_uploads.c.upload_key == key))
             ).first()
-        if blob is not None:
+        if blob is not None and owner is None:
             return int(blob.size_bytes)
         if upload is None:
             raise FailedPrecondition(f"the upload of {sha256} was discarded meanwhile; begin again")
@@ -237,24 +244,28 @@ class SqlBlobStore:
             )
         return int(upload.received_bytes)
 
-    async def received_bytes(self, sha256: str) -> int:
-        """Return how many bytes of ``sha256`` the store holds (its size once committed)."""
+    async def received_bytes(self, sha256: str, *, owner: str | None = None) -> int:
+        """Return how many bytes of ``sha256`` the store holds (its size once committed).
+
+        With an ``owner``: how many bytes of that owner's own upload arrived, whether or not the blob
+        is stored.
+        """
         async with self._db.read() as conn:
-            blob = await self._blob_row(conn, sha256)
+            blob = None if owner is not None else await self._blob_row(conn, sha256)
             if blob is not None:
                 return int(blob.size_bytes)
             received = (
                 await conn.execute(
                     sa.select(blob_uploads.c.received_bytes).where(
-                        blob_uploads.c.upload_key == _upload_key(sha256)
+                        blob_uploads.c.upload_key == _upload_key(sha256, owner)
                     )
                 )
             ).scalar()
         return int(received or 0)
 
-    async def append_upload(self, sha256: str, offset: int, data: bytes) -> int:
+    async def append_upload(self, sha256: str, offset: int, data: bytes, *, owner: str | None = None) -> int:
         """Add ``data`` at ``offset`` (which must equal the bytes received); return the new total."""
-        key = _upload_key(_check_sha(sha256))
+        key = _upload_key(_check_sha(sha256), owner)
 
         async def work(conn: AsyncConnection) -> int:
             where = blob_uploads.c.upload_key == key
@@ -283,20 +294,23 @@ class SqlBlobStore:
 
         return await self._db.write(work)
 
-    async def commit_upload(self, sha256: str) -> BlobRef:
+    async def commit_upload(self, sha256: str, *, owner: str | None = None) -> BlobRef:
         """Check the uploaded bytes hash to ``sha256`` and make the blob readable.
+
+        An ``owner``'s upload is checked even if the blob is stored already (the stored bytes are
+        kept, the upload's dropped): it is how the owner proves it holds them.
 
         Raises:
             FailedPrecondition: the upload is missing or incomplete.
             InvalidArgument: the bytes do not hash to ``sha256``; the upload is discarded.
         """
-        key = _upload_key(_check_sha(sha256))
+        key = _upload_key(_check_sha(sha256), owner)
         async with self._db.read() as conn:
             blob = await self._blob_row(conn, sha256)
             upload = (
                 await conn.execute(sa.select(blob_uploads).where(blob_uploads.c.upload_key == key))
             ).first()
-        if blob is not None:
+        if blob is not None and owner is None:
             return BlobRef(sha256=sha256, size_bytes=int(blob.size_bytes))
         if upload is None:
             raise FailedPrecondition(f"no upload of {sha256} is in progress")

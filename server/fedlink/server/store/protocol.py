@@ -164,20 +164,29 @@ class BlobStore(Protocol):
         """Store a stream of unknown hash chunk by chunk and return its reference."""
         ...
 
-    async def begin_upload(self, sha256: str, size_bytes: int) -> int:
-        """Start (or resume) an upload of a blob with a known hash; return the bytes received so far."""
+    async def begin_upload(self, sha256: str, size_bytes: int, *, owner: str | None = None) -> int:
+        """Start (or resume) an upload of a blob with a known hash; return the bytes received so far.
+
+        With an ``owner``, the upload is that owner's own and goes on even if the blob is stored.
+        """
         ...
 
-    async def received_bytes(self, sha256: str) -> int:
-        """Return how many bytes of ``sha256`` the store holds (its size once committed)."""
+    async def received_bytes(self, sha256: str, *, owner: str | None = None) -> int:
+        """Return how many bytes of ``sha256`` the store holds (its size once committed).
+
+        With an ``owner``: the bytes of that owner's own upload only.
+        """
         ...
 
-    async def append_upload(self, sha256: str, offset: int, data: bytes) -> int:
+    async def append_upload(self, sha256: str, offset: int, data: bytes, *, owner: str | None = None) -> int:
         """Add ``data`` at ``offset`` (which must equal the bytes received); return the new total."""
         ...
 
-    async def commit_upload(self, sha256: str) -> BlobRef:
-        """Check the uploaded bytes hash to ``sha256`` and make the blob readable."""
+    async def commit_upload(self, sha256: str, *, owner: str | None = None) -> BlobRef:
+        """Check the uploaded bytes hash to ``sha256`` and make the blob readable.
+
+        An ``owner``'s upload is checked even if the blob is stored (then kept once, the upload dropped).
+        """
         ...
 
     async def stat(self, sha256: str) -> Blob:
@@ -397,6 +406,14 @@ class StateStore(Protocol):
 
     async def device_may_read_blob(self, device_id: str, sha256: str) -> bool:
         """True if the blob is the input of a task the device holds (or held) an assignment for."""
+        ...
+
+    async def grant_blob(self, sha256: str, device_id: str) -> bool:
+        """Record that the device proved it holds the stored blob; False if the blob is not stored."""
+        ...
+
+    async def device_holds_blob(self, device_id: str, sha256: str) -> bool:
+        """True if the blob is stored and the device proved it holds it or may read it (a task input)."""
         ...
 
     async def round_summary(self, *, run_id: str, round: int, name: str) -> RoundSummary:

@@ -275,6 +275,18 @@ blob_uploads = sa.Table(
     _time("created_at"),
 )
 
+# The devices that proved they hold a blob's bytes by uploading them whole (the sha256 checked). A
+# device sees the status of, and may report as its result, only a blob it holds or was handed as a
+# task's input; the bytes are stored once whoever uploads them. A grant goes with its blob.
+blob_grants = sa.Table(
+    "blob_grants",
+    metadata,
+    sa.Column("sha256", sa.String(64), _cascade("blobs.sha256"), primary_key=True),
+    # No foreign key to devices, as for assignments: devices are never deleted (only revoked).
+    _id("device_id", primary_key=True),
+    _time("created_at"),
+)
+
 # Only the database blob backend fills this; a committed blob's chunks are keyed by its sha256, an
 # upload's by its upload key.
 blob_chunks = sa.Table(

@@ -20,6 +20,7 @@ from fedlink.server.store.blobs import SqlBlobStore
 from fedlink.server.store.claims import ClaimQueries
 from fedlink.server.store.devices import DeviceQueries
 from fedlink.server.store.dialect import Database, is_memory_sqlite
+from fedlink.server.store.grants import BlobGrantQueries
 from fedlink.server.store.jobs import JobQueries
 from fedlink.server.store.migrate import ensure_schema
 from fedlink.server.store.results import ResultQueries
@@ -33,7 +34,9 @@ _COOKIE_KEY_ID = "cookie"
 SIGNING_KEY_BYTES = 32
 
 
-class SqlStateStore(DeviceQueries, JobQueries, ClaimQueries, ResultQueries, RoundQueries, StatsQueries):
+class SqlStateStore(
+    DeviceQueries, JobQueries, ClaimQueries, ResultQueries, BlobGrantQueries, RoundQueries, StatsQueries
+):
     """The :class:`~fedlink.server.store.protocol.StateStore` on SQLAlchemy (SQLite or PostgreSQL)."""
 
     def __init__(self, database: Database, clock: Clock, blob_store: SqlBlobStore) -> None:

@@ -441,7 +441,10 @@ class ReportResultRequest(_message.Message):
     """Client-chosen unique id (a UUID) for this report; a retry with the same id gets the original reply."""
     @_builtins.property
     def result(self) -> _dxo_pb2.Payload:
-        """The result DXO, inline or as an uploaded blob (SUCCEEDED only)."""
+        """The result DXO, inline or as an uploaded blob (SUCCEEDED only). A blob must be one this device
+        uploaded whole with UploadBlob (or its task's input); any other gets PERMISSION_DENIED, whether or
+        not it is stored.
+        """
 
     def __init__(
         self,

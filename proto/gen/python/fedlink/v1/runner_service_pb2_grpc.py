@@ -161,13 +161,17 @@ class RunnerServiceServicer:
         """Uploads a content-addressed blob in chunks (for results too large for one message). Resumable: ask
         GetBlobUploadStatus how many bytes arrived and continue from there. The blob is committed once all
         bytes arrived and their SHA-256 matches; a mismatch gets INVALID_ARGUMENT and discards the upload.
+        Each device's upload is its own, and is how the device proves it holds the bytes: a blob another
+        device stored already is uploaded again in full (the coordinator keeps one copy).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetBlobUploadStatus(self, request, context):
-        """Tells how many bytes of an upload the coordinator holds, to resume after a dropped connection.
+        """Tells how many bytes of this device's own upload the coordinator holds, to resume after a dropped
+        connection. A blob the device neither uploaded whole nor was handed by a task reads as nothing
+        received, whether or not it is stored.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -72,9 +72,14 @@ class RunnerServiceStub:
     """Uploads a content-addressed blob in chunks (for results too large for one message). Resumable: ask
     GetBlobUploadStatus how many bytes arrived and continue from there. The blob is committed once all
     bytes arrived and their SHA-256 matches; a mismatch gets INVALID_ARGUMENT and discards the upload.
+    Each device's upload is its own, and is how the device proves it holds the bytes: a blob another
+    device stored already is uploaded again in full (the coordinator keeps one copy).
     """
     GetBlobUploadStatus: _grpc.UnaryUnaryMultiCallable[_runner_service_pb2.GetBlobUploadStatusRequest, _runner_service_pb2.GetBlobUploadStatusResponse]
-    """Tells how many bytes of an upload the coordinator holds, to resume after a dropped connection."""
+    """Tells how many bytes of this device's own upload the coordinator holds, to resume after a dropped
+    connection. A blob the device neither uploaded whole nor was handed by a task reads as nothing
+    received, whether or not it is stored.
+    """
     DownloadBlob: _grpc.UnaryStreamMultiCallable[_runner_service_pb2.DownloadBlobRequest, _runner_service_pb2.DownloadBlobResponse]
     """Downloads a blob that a task refers to, in chunks, from an offset (to resume)."""
 
@@ -122,9 +127,14 @@ class RunnerServiceAsyncStub(RunnerServiceStub):
     """Uploads a content-addressed blob in chunks (for results too large for one message). Resumable: ask
     GetBlobUploadStatus how many bytes arrived and continue from there. The blob is committed once all
     bytes arrived and their SHA-256 matches; a mismatch gets INVALID_ARGUMENT and discards the upload.
+    Each device's upload is its own, and is how the device proves it holds the bytes: a blob another
+    device stored already is uploaded again in full (the coordinator keeps one copy).
     """
     GetBlobUploadStatus: _aio.UnaryUnaryMultiCallable[_runner_service_pb2.GetBlobUploadStatusRequest, _runner_service_pb2.GetBlobUploadStatusResponse]  # type: ignore[assignment]
-    """Tells how many bytes of an upload the coordinator holds, to resume after a dropped connection."""
+    """Tells how many bytes of this device's own upload the coordinator holds, to resume after a dropped
+    connection. A blob the device neither uploaded whole nor was handed by a task reads as nothing
+    received, whether or not it is stored.
+    """
     DownloadBlob: _aio.UnaryStreamMultiCallable[_runner_service_pb2.DownloadBlobRequest, _runner_service_pb2.DownloadBlobResponse]  # type: ignore[assignment]
     """Downloads a blob that a task refers to, in chunks, from an offset (to resume)."""
 
@@ -211,6 +221,8 @@ class RunnerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Uploads a content-addressed blob in chunks (for results too large for one message). Resumable: ask
         GetBlobUploadStatus how many bytes arrived and continue from there. The blob is committed once all
         bytes arrived and their SHA-256 matches; a mismatch gets INVALID_ARGUMENT and discards the upload.
+        Each device's upload is its own, and is how the device proves it holds the bytes: a blob another
+        device stored already is uploaded again in full (the coordinator keeps one copy).
         """
 
     @_abc_1.abstractmethod
@@ -219,7 +231,10 @@ class RunnerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _runner_service_pb2.GetBlobUploadStatusRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_runner_service_pb2.GetBlobUploadStatusResponse, _abc.Awaitable[_runner_service_pb2.GetBlobUploadStatusResponse]]:
-        """Tells how many bytes of an upload the coordinator holds, to resume after a dropped connection."""
+        """Tells how many bytes of this device's own upload the coordinator holds, to resume after a dropped
+        connection. A blob the device neither uploaded whole nor was handed by a task reads as nothing
+        received, whether or not it is stored.
+        """
 
     @_abc_1.abstractmethod
     def DownloadBlob(
