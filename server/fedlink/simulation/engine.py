@@ -57,14 +57,17 @@ log = logging.getLogger(__name__)
 
 #: The component type an ``Executor`` given as ``runner=`` is registered under.
 EXECUTOR_TYPE = "SimulationExecutor"
-#: Devices enrolled concurrently (each is one store transaction).
-_ENROL_BATCH = 512
 #: Idle devices hold one long poll this long; every real wake-up comes from a notification, so a long
 #: wait costs nothing and keeps 10,000 idle devices from re-polling the store.
 _TASK_WAIT = timedelta(seconds=30)
 #: How long stopped Runners get to wind down (release their task) before they are cancelled.
 _STOP_WAIT_S = 10.0
 _TICK_S = 0.25
+#: Bytes of results in flight the in-process transport aims for (see :func:`in_flight_limit`).
+_IN_FLIGHT_BYTES = 256 * 1024**2
+#: Results in flight at most, however small the model (more gains nothing: the coordinator batches
+#: at most 256 reports per transaction).
+_MAX_IN_FLIGHT = 1024
 _SUPERVISOR_LOGGER = "fedlink.server.services.supervisor"
 
 RunnerArg = Mapping[str, Any] | str | ResolverRegistry | Executor | None
@@ -241,6 +244,17 @@ async def simulate(plan: Plan, pool: ExecutorPool) -> SimulationResult:
             sink.close()
 
 
+def in_flight_limit(model_bytes: int, workers: int) -> int:
+    """How many results the virtual devices may have in flight at once (work started, report unanswered).
+
+    About ``_IN_FLIGHT_BYTES`` of results (a result is the size of the model), so that 1,000 devices
+    of a 1,000,000-float model do not hold 1,000 results of 4 MB at once; never fewer than twice the
+    pool's workers (they must not idle), never more than ``_MAX_IN_FLIGHT``.
+    """
+    by_bytes = _IN_FLIGHT_BYTES // max(1, model_bytes)
+    return max(2 * workers, min(_MAX_IN_FLIGHT, by_bytes), 1)
+
+
 def _grpc_transports(
     devices: Sequence[InProcessTransport], credentials: Sequence[str], address: str, state_root: Path
 ) -> list[Transport]:
@@ -274,20 +288,24 @@ async def _run(
     started: float,
     wire: tuple[str, Path] | None,
 ) -> SimulationResult:
-    hub = DeviceHub(core, heterogeneity=plan.heterogeneity, seed=plan.seed)
+    job = plan.job
+    model_bytes = job.model_dxo().to_bytes()
+    hub = DeviceHub(
+        core,
+        heterogeneity=plan.heterogeneity,
+        seed=plan.seed,
+        max_in_flight=in_flight_limit(len(model_bytes), pool.size),
+    )
     width = max(6, len(str(plan.num_devices - 1)))
     devices = [InProcessTransport(hub, i) for i in range(plan.num_devices)]
     info = dict(plan.device_info)
-    credentials: list[str] = []
-    for start in range(0, plan.num_devices, _ENROL_BATCH):
-        batch = devices[start : start + _ENROL_BATCH]
-        credentials += await asyncio.gather(*(t.enroll(f"sim-{t.index:0{width}d}", info) for t in batch))
+    credentials = await hub.enroll(devices, info, width=width)
     index_of = {t.device_id: t.index for t in devices}
     transports: list[Transport] = list(devices)
     if wire is not None:
         transports = _grpc_transports(devices, credentials, *wire)
-    job = plan.job
-    model_ref = await core.store.blobs.put_bytes(job.model_dxo().to_bytes())
+    model_ref = await core.store.blobs.put_bytes(model_bytes)
+    del model_bytes
     view = await core.control_protocol.submit_job(
         JobSubmission(
             name=job.name,
@@ -312,7 +330,7 @@ async def _run(
             partition_id=i,
             num_partitions=plan.num_devices,
             backoff=Backoff(base=timedelta(milliseconds=50), cap=timedelta(seconds=2)),
-            worker=pool.worker,
+            worker=t.gated(pool.worker) if isinstance(t, InProcessTransport) else pool.worker,
         )
         for i, t in enumerate(transports)
     ]

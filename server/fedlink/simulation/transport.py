@@ -15,9 +15,11 @@ model cache, the counters) live in one :class:`DeviceHub`.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -25,18 +27,24 @@ from fedlink.common.dxo import DXO
 from fedlink.common.errors import FailedPrecondition
 from fedlink.common.status import DeviceStatus
 from fedlink.common.version import PROTOCOL_VERSION
+from fedlink.runner.loop import TaskWork, TaskWorker
 from fedlink.runner.transport.base import Ack, JobOffer, LeaseAck, ResultReport, Status, TaskOffer, Transport
 from fedlink.server.core import CoordinatorCore
 from fedlink.server.credentials import hash_credential
 from fedlink.server.domain import Device, ResultStatus
 from fedlink.server.protocol.device import ResultInput, TaskReply
 from fedlink.server.protocol.possession import put_device_bytes
+from fedlink.server.store.protocol import NewDevice
 from fedlink.simulation.heterogeneity import DeviceRound, Heterogeneity
 
-__all__ = ["DeviceHub", "InProcessTransport", "LiveCounts"]
+__all__ = ["DEFAULT_IN_FLIGHT", "DeviceHub", "InProcessTransport", "LiveCounts"]
 
 #: Decoded models kept (the current round's and a few before it, for late devices).
 _MODEL_CACHE = 4
+#: Devices enrolled per store transaction.
+_ENROL_BATCH = 2_000
+#: Results in flight when the hub is not told (the simulation sizes it from the model: see engine.py).
+DEFAULT_IN_FLIGHT = 256
 
 
 @dataclass(slots=True)
@@ -57,11 +65,24 @@ class LiveCounts:
 class DeviceHub:
     """What all virtual devices of one simulation share: the core, the decoded models, the counters."""
 
-    def __init__(self, core: CoordinatorCore, *, heterogeneity: Heterogeneity, seed: int) -> None:
+    def __init__(
+        self,
+        core: CoordinatorCore,
+        *,
+        heterogeneity: Heterogeneity,
+        seed: int,
+        max_in_flight: int = DEFAULT_IN_FLIGHT,
+    ) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, not {max_in_flight}")
         self.core = core
         self.heterogeneity = heterogeneity
         self.seed = seed
         self.counts = LiveCounts()
+        self.max_in_flight = max_in_flight
+        #: Results in flight: a device holds a slot from the start of its task's work until the
+        #: coordinator answered its report (see :class:`InProcessTransport`).
+        self.slots = asyncio.Semaphore(max_in_flight)
         self._models: OrderedDict[str, asyncio.Future[DXO]] = OrderedDict()
 
     async def model(self, sha256: str, inline: bytes | None) -> DXO:
@@ -87,6 +108,35 @@ class DeviceHub:
         shared = await asyncio.shield(future)
         return DXO(kind=shared.kind, data=dict(shared.data), meta=dict(shared.meta))
 
+    async def enroll(
+        self, devices: Sequence[InProcessTransport], device_info: Mapping[str, str], *, width: int
+    ) -> list[str]:
+        """Enrols ``devices`` as ``sim-<index>`` with fresh credentials, a batch per store transaction.
+
+        Returns:
+            Their credentials, in order (a gRPC transport of the same device presents it).
+        """
+        # The ids are the simulation's (sim-000042), not the protocol's random ones, so that device
+        # order, sampling and aggregation order are the same in every run with the same seed.
+        credentials = [secrets.token_hex(32) for _ in devices]
+        store = self.core.store
+        for start in range(0, len(devices), _ENROL_BATCH):
+            batch = devices[start : start + _ENROL_BATCH]
+            # The enrolled rows are what authenticating the credentials would read back.
+            enrolled = await store.enroll_devices(
+                [
+                    NewDevice(
+                        device_id=f"sim-{device.index:0{width}d}",
+                        credential_hash=hash_credential(credential),
+                        device_info=device_info,
+                    )
+                    for device, credential in zip(batch, credentials[start:], strict=False)
+                ]
+            )
+            for device, row in zip(batch, enrolled, strict=True):
+                device._enrolled(row)
+        return credentials
+
     def behaviour(self, device: int, round: int) -> DeviceRound:
         """How ``device`` behaves in ``round`` (see :class:`Heterogeneity`)."""
         return self.heterogeneity.draw(self.seed, device, round)
@@ -105,8 +155,9 @@ _STATUS = {
 class InProcessTransport(Transport):
     """One virtual device's :class:`Transport`, calling ``hub.core.device_protocol`` in-process.
 
-    The device is enrolled by :meth:`enroll` (the simulation does it for all devices before the job
-    is submitted, so the workflow samples among all of them); :meth:`open` then only checks that.
+    The device is enrolled by :meth:`DeviceHub.enroll` (the simulation does it for all devices before
+    the job is submitted, so the workflow samples among all of them); :meth:`open` then only checks
+    that.
     """
 
     def __init__(self, hub: DeviceHub, index: int) -> None:
@@ -116,6 +167,7 @@ class InProcessTransport(Transport):
         self._round = 0
         self._started = 0.0
         self._busy = False
+        self._holding = False
 
     @property
     def index(self) -> int:
@@ -124,7 +176,7 @@ class InProcessTransport(Transport):
 
     @property
     def device_id(self) -> str:
-        """The device's id (after :meth:`enroll`)."""
+        """The device's id (after :meth:`DeviceHub.enroll`)."""
         return self._need_device().device_id
 
     def _need_device(self) -> Device:
@@ -132,30 +184,38 @@ class InProcessTransport(Transport):
             raise FailedPrecondition(f"virtual device {self._index} is not enrolled")
         return self._device
 
-    async def enroll(self, device_id: str, device_info: dict[str, str]) -> str:
-        """Enrols the device under ``device_id`` with a fresh credential, and authenticates it.
-
-        Returns:
-            The device's credential (a gRPC transport of the same device presents it).
-        """
-        # The id is the simulation's (sim-000042), not the protocol's random one, so that device order,
-        # sampling and aggregation order are the same in every run with the same seed.
-        credential = uuid.uuid4().hex + uuid.uuid4().hex
-        store = self._hub.core.store
-        # The enrolled row is what authenticating the credential would read back: no second read.
-        self._device = await store.enroll_device(
-            device_info, {}, hash_credential(credential), device_id=device_id
-        )
-        self._hub.core.device_protocol.note_seen(device_id)
-        return credential
+    def _enrolled(self, device: Device) -> None:
+        self._device = device
+        self._hub.core.device_protocol.note_seen(device.device_id)
 
     async def open(self) -> None:
         """Checks the device is enrolled (there is no connection to open)."""
         self._need_device()
 
     async def close(self) -> None:
-        """Gives back the busy count of a task that never got reported (the runner was stopped)."""
+        """Gives back the busy count and the slot of a task that never got reported (stopped runner)."""
         self._set_busy(False)
+        self._let_go()
+
+    def gated(self, worker: TaskWorker) -> TaskWorker:
+        """``worker``, run only while this device holds one of the hub's in-flight slots.
+
+        The slot is taken before the task's work starts and given back once the coordinator answered
+        the report (or the task was released), so at most ``hub.max_in_flight`` results exist at once
+        however many devices finish together. A device that has to wait does so before its executor
+        runs, holding nothing but its task.
+        """
+        return _GatedWorker(worker, self)
+
+    async def _hold(self) -> None:
+        if not self._holding:
+            await self._hub.slots.acquire()
+            self._holding = True
+
+    def _let_go(self) -> None:
+        if self._holding:
+            self._holding = False
+            self._hub.slots.release()
 
     def _set_busy(self, busy: bool) -> None:
         if busy != self._busy:
@@ -214,25 +274,36 @@ class InProcessTransport(Transport):
             return _offer(reply, data)
 
     async def report_result(self, report: ResultReport) -> Ack:
-        """ReportResult, in-process: the result DXO goes as its serialized bytes, as over gRPC."""
-        slowdown = self._hub.behaviour(self._index, self._round).slowdown if self._round else 1.0
-        if slowdown > 1.0:
-            await asyncio.sleep((slowdown - 1.0) * (time.monotonic() - self._started))
-        await self._link()
-        result = report.result
-        request = ResultInput(
-            job_id=report.job_id,
-            task_id=report.task_id,
-            cookie=report.cookie,
-            status=ResultStatus.SUCCEEDED if result is not None else ResultStatus.FAILED,
-            inline=result.to_bytes() if result is not None else None,
-            error_message=report.error_message,
-            request_id=report.request_id or uuid.uuid4().hex,
-        )
+        """ReportResult, in-process: the result DXO goes as its serialized bytes, as over gRPC.
+
+        The device keeps its in-flight slot from its work to the coordinator's answer, except while
+        it waits out its simulated slowdown or link delay (a slow device must not hold up others).
+        """
+        behaviour = self._hub.behaviour(self._index, self._round) if self._round else None
+        delay = 0.0
+        if behaviour is not None:
+            if behaviour.slowdown > 1.0:
+                delay = (behaviour.slowdown - 1.0) * (time.monotonic() - self._started)
+            delay += behaviour.link_delay_s
         try:
+            if delay > 0:
+                self._let_go()
+                await asyncio.sleep(delay)
+            await self._hold()
+            result = report.result
+            request = ResultInput(
+                job_id=report.job_id,
+                task_id=report.task_id,
+                cookie=report.cookie,
+                status=ResultStatus.SUCCEEDED if result is not None else ResultStatus.FAILED,
+                inline=result.to_bytes() if result is not None else None,
+                error_message=report.error_message,
+                request_id=report.request_id or uuid.uuid4().hex,
+            )
             reply = await self._hub.core.device_protocol.report_result(self._seen(), request)
         finally:
             self._set_busy(False)
+            self._let_go()
         if result is not None:
             self._hub.counts.succeeded += 1
         else:
@@ -254,6 +325,7 @@ class InProcessTransport(Transport):
             )
         finally:
             self._set_busy(False)
+            self._let_go()
         return LeaseAck(status=_STATUS[reply.status], lease_expires_at=reply.lease_expires_at)
 
     async def download_blob(self, sha256: str, size_bytes: int) -> bytes:
@@ -263,6 +335,19 @@ class InProcessTransport(Transport):
     async def upload_blob(self, data: bytes) -> str:
         """Stores bytes as a blob the device holds (it may report it), as an upload over gRPC does."""
         return (await put_device_bytes(self._hub.core.store, self._need_device().device_id, data)).sha256
+
+
+class _GatedWorker:
+    """A device's :class:`TaskWorker`: takes the device's in-flight slot, then runs the real worker."""
+
+    def __init__(self, worker: TaskWorker, device: InProcessTransport) -> None:
+        self._worker = worker
+        self._device = device
+
+    async def run(self, work: TaskWork) -> DXO:
+        """Waits for an in-flight slot (kept until the report is answered), then runs ``work``."""
+        await self._device._hold()
+        return await self._worker.run(work)
 
 
 def _offer(reply: TaskReply, data: DXO | None) -> TaskOffer:

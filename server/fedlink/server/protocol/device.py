@@ -45,7 +45,7 @@ from fedlink.server.protocol.notify import TaskNotifier
 from fedlink.server.protocol.possession import require_held
 from fedlink.server.protocol.reads import JobReads, remember
 from fedlink.server.protocol.results import ResultValidator
-from fedlink.server.store import ClaimRequest, RecordOutcome, ResultReport, StateStore, all_items
+from fedlink.server.store import ClaimRequest, RecordOutcome, ResultReport, StateStore
 
 #: Task payloads kept in memory (a few global models: the current round's and the last ones).
 _PAYLOAD_CACHE = 4
@@ -55,6 +55,8 @@ _TASK_CACHE = 100_000
 _ASSIGNMENT_CACHE = 100_000
 #: Uncached tasks in one claim batch from which the whole round's tasks are read at once.
 _ROUND_PREFETCH_MIN = 8
+#: Polls answered by one "anything to claim?" read (the store chunks it further).
+_CLAIMABLE_BATCH = 5_000
 _FINAL_JOB_STATES = frozenset({JobState.FINISHED, JobState.FAILED, JobState.ABORTED})
 
 
@@ -219,6 +221,11 @@ class DeviceProtocol:
         #: Told "accepted", "failed", "stale" or "rejected" per report (metrics).
         self._on_outcome = on_outcome or (lambda outcome: None)
         self._claims: Batcher[ClaimRequest, Assignment | None] = Batcher(self._claim_batch)
+        # The "anything to claim?" read of every poll: a round's devices poll together (each right
+        # after its report), and one set-based read answers a batch of them.
+        self._claimable: Batcher[tuple[str, str], bool] = Batcher(
+            self._claimable_batch, max_batch=_CLAIMABLE_BATCH
+        )
         self._reads = JobReads(store)  # a round's devices read their job at once: one read serves them
         self._reports: Batcher[_StagedReport, RecordOutcome] = Batcher(self._report_batch)
         self._seen: set[str] = set()
@@ -318,11 +325,8 @@ class DeviceProtocol:
 
     async def _job_named_is_over(self, name: str) -> bool:
         """True if a job of this name exists and every job of this name is final (rare: walks history)."""
-        named = [
-            job
-            for job in await all_items(lambda token: self._store.list_jobs(page_size=200, page_token=token))
-            if job.name == name
-        ]
+        # Batched: when a job ends, all its devices ask for the next one at once.
+        named = await self._reads.named(name)
         return bool(named) and all(job.state in _FINAL_JOB_STATES for job in named)
 
     # ---- tasks ----
@@ -347,7 +351,7 @@ class DeviceProtocol:
             # Most polls find nothing: find that out with a read, and claim (a write) only when there
             # is something to claim. A device just woken by a notification (a task offered to it)
             # claims at once: the read would only confirm it, and claims are batched.
-            if notified or await self._store.has_claimable(device.device_id, job_id, self._clock.now()):
+            if notified or await self._claimable.submit((device.device_id, job_id)):
                 request = ClaimRequest(device_id=device.device_id, job_id=job_id)
                 assignment = await self._claims.submit(request)
                 if assignment is not None:
@@ -360,6 +364,9 @@ class DeviceProtocol:
             if job.state in _FINAL_JOB_STATES:
                 return TaskReply(status=DeviceStatus.DONE)
         return TaskReply(status=DeviceStatus.RETRY, retry_after=timedelta(seconds=1))
+
+    async def _claimable_batch(self, pairs: Sequence[tuple[str, str]]) -> list[bool | BaseException]:
+        return list(await self._store.has_claimable_many(pairs, self._clock.now()))
 
     async def _claim_batch(self, requests: Sequence[ClaimRequest]) -> list[Assignment | BaseException | None]:
         claimed: list[Assignment | BaseException | None] = list(

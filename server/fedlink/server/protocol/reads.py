@@ -29,6 +29,7 @@ class JobReads:
         self._store = store
         self._jobs: Batcher[str, Job] = Batcher(self._job_batch, max_batch=_BATCH)
         self._states: Batcher[JobState, list[Job]] = Batcher(self._state_batch, max_batch=_BATCH)
+        self._named: Batcher[str, list[Job]] = Batcher(self._named_batch, max_batch=_BATCH)
 
     async def job(self, job_id: str) -> Job:
         """The job as the store has it now; NotFound if unknown."""
@@ -37,6 +38,14 @@ class JobReads:
     async def in_state(self, state: JobState) -> list[Job]:
         """Every job in ``state`` (all pages)."""
         return await self._states.submit(state)
+
+    async def named(self, name: str) -> list[Job]:
+        """Every job called ``name``, final ones included (walks the whole history: rare)."""
+        return await self._named.submit(name)
+
+    async def _named_batch(self, names: Sequence[str]) -> list[list[Job] | BaseException]:
+        every = await all_items(lambda token: self._store.list_jobs(page_size=_PAGE, page_token=token))
+        return [[job for job in every if job.name == name] for name in names]
 
     async def _job_batch(self, job_ids: Sequence[str]) -> list[Job | BaseException]:
         read: dict[str, Job | BaseException] = {}

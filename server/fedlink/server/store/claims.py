@@ -51,6 +51,21 @@ async def drop_offers(conn: AsyncConnection, task_ids: Sequence[str]) -> None:
         await conn.execute(statement, {"task_ids": list(task_ids[start : start + _IN_BATCH])})
 
 
+#: (device, job) pairs per round trip of :meth:`ClaimQueries.has_claimable_many`.
+_CLAIMABLE_CHUNK = 500
+# The jobs with an open untargeted task: their devices are checked one by one (rare: FedAvg targets).
+_UNTARGETED_JOBS = (
+    sa.select(tasks.c.job_id)
+    .where(
+        tasks.c.job_id.in_(sa.bindparam("untargeted_job_ids", expanding=True, type_=tasks.c.job_id.type)),
+        _OPEN_SQL,
+        tasks.c.targeted == sa.false(),
+        tasks.c.deadline > sa.bindparam("now", type_=tasks.c.deadline.type),
+    )
+    .distinct()
+)
+
+
 class ClaimQueries(StoreCore):
     """The tasks, claims and leases part of the SQL store."""
 
@@ -181,6 +196,35 @@ class ClaimQueries(StoreCore):
         params = {"device_id": device_id, "job_id": job_id, "now": now}
         async with self._db.read() as conn:
             return bool((await conn.execute(self._claim_statements().anything, params)).scalar())
+
+    async def has_claimable_many(self, pairs: Sequence[tuple[str, str]], now: datetime) -> list[bool]:
+        """:meth:`has_claimable` for many ``(device_id, job_id)`` pairs in one read transaction.
+
+        A round's devices ask together (each one right after its report); one set-based lookup per
+        chunk answers them all, the same answer as asking one by one.
+        """
+        wanted = list(dict.fromkeys(pairs))
+        if not wanted:
+            return []
+        statements = self._claim_statements()
+        found: set[tuple[str, str]] = set()
+        async with self._db.read() as conn:
+            for start in range(0, len(wanted), _CLAIMABLE_CHUNK):
+                chunk = wanted[start : start + _CLAIMABLE_CHUNK]
+                # The claim path's own batch lookups: re-deliveries, then offers targeted at the device.
+                params = statements.batch_params(chunk, now)
+                for row in await conn.execute(statements.held_many, params):
+                    found.add((row.device_id, row.job_id))
+                for device_id, _, job_id, _ in await conn.execute(statements.targeted_many, params):
+                    found.add((device_id, job_id))  # a true fact, if of a pair not asked (IN lists)
+                jobs = {"untargeted_job_ids": sorted({j for _, j in chunk}), "now": now}
+                untargeted = {r.job_id for r in await conn.execute(_UNTARGETED_JOBS, jobs)}
+                for device_id, job_id in chunk:
+                    if job_id in untargeted and (device_id, job_id) not in found:
+                        one = {"device_id": device_id, "job_id": job_id, "now": now}
+                        if (await conn.execute(statements.anything, one)).scalar():
+                            found.add((device_id, job_id))
+        return [pair in found for pair in pairs]
 
     def _claim_statements(self) -> ClaimStatements:
         statements: ClaimStatements | None = getattr(self, "_claims_prepared", None)

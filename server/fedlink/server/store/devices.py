@@ -12,8 +12,11 @@ from fedlink.common.errors import AlreadyExists, Unauthenticated
 from fedlink.server.domain import Device, DeviceState, new_id, transition_device
 from fedlink.server.store import rows
 from fedlink.server.store.core import StoreCore
-from fedlink.server.store.protocol import Page
+from fedlink.server.store.protocol import NewDevice, Page
 from fedlink.server.store.schema import devices
+
+#: Device ids per SELECT when reading back a batch enrolment.
+_ENROL_CHUNK = 500
 
 
 class DeviceQueries(StoreCore):
@@ -46,6 +49,46 @@ class DeviceQueries(StoreCore):
             if inserted is None:
                 raise AlreadyExists("a device with this id or credential is enrolled already")
             return rows.device(inserted)
+
+        return await self._db.write(work)
+
+    async def enroll_devices(self, new_devices: Sequence[NewDevice]) -> list[Device]:
+        """Enroll many devices in one transaction (all or none); returns them in the given order.
+
+        AlreadyExists (and nothing enrolled) if any id or credential hash is enrolled already or
+        given twice. A new device without an id gets a fresh one.
+        """
+        now = self._clock.now()
+        values = [
+            {
+                "device_id": new.device_id or new_id(),
+                "credential_hash": new.credential_hash,
+                "device_info": rows.dump_map(new.device_info),
+                "user_info": rows.dump_map(new.user_info),
+                "state": DeviceState.ONLINE.value,
+                "enrolled_at": now,
+                "last_seen": now,
+            }
+            for new in new_devices
+        ]
+        if not values:
+            return []
+        ids = [str(v["device_id"]) for v in values]
+        hashes = {str(v["device_id"]): str(v["credential_hash"]) for v in values}
+
+        async def work(conn: AsyncConnection) -> list[Device]:
+            await conn.execute(self._db.insert_ignore(devices), values)
+            found: dict[str, Device] = {}
+            for start in range(0, len(ids), _ENROL_CHUNK):
+                chunk = ids[start : start + _ENROL_CHUNK]
+                query = sa.select(devices).where(devices.c.device_id.in_(chunk))
+                for row in await conn.execute(query):
+                    if row.credential_hash == hashes[row.device_id]:
+                        found[row.device_id] = rows.device(row)
+            if len(found) != len(ids) or len(set(ids)) != len(ids):
+                # Rolls the whole batch back: a device that was ignored is enrolled already.
+                raise AlreadyExists("a device with one of these ids or credentials is enrolled already")
+            return [found[device_id] for device_id in ids]
 
         return await self._db.write(work)
 

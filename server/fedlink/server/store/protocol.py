@@ -95,6 +95,18 @@ class NewTask:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class NewDevice:
+    """A device to enroll with :meth:`StateStore.enroll_devices`."""
+
+    #: The hash of its credential (never the credential itself).
+    credential_hash: str
+    device_info: Mapping[str, str] = field(default_factory=dict)
+    user_info: Mapping[str, str] = field(default_factory=dict)
+    #: None gives it a fresh id.
+    device_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ClaimRequest:
     """One device asking for a task of a job."""
 
@@ -247,6 +259,10 @@ class StateStore(Protocol):
         """Enroll a device under the hash of its credential (never the credential itself)."""
         ...
 
+    async def enroll_devices(self, new_devices: Sequence[NewDevice]) -> list[Device]:
+        """Enroll many devices in one transaction (all or none; AlreadyExists if any is enrolled)."""
+        ...
+
     async def authenticate_device(self, credential_hash: str) -> Device:
         """Return the device with this credential; Unauthenticated if unknown or revoked."""
         ...
@@ -376,6 +392,10 @@ class StateStore(Protocol):
 
     async def has_claimable(self, device_id: str, job_id: str, now: datetime) -> bool:
         """Tell, without writing, whether a claim by the device could get anything now."""
+        ...
+
+    async def has_claimable_many(self, pairs: Sequence[tuple[str, str]], now: datetime) -> list[bool]:
+        """:meth:`has_claimable` for many ``(device_id, job_id)`` pairs at once, in their order."""
         ...
 
     async def get_assignment(self, assignment_id: str) -> Assignment:
