@@ -74,12 +74,14 @@ class CoordinatorCore:
         clock: Clock | None = None,
         join_secret: str | None = None,
         supervisor_poll_seconds: float = 1.0,
+        round_check_seconds: float | None = None,
         on_result_outcome: Callable[[str], None] | None = None,
     ) -> None:
         self.settings = settings
         self.clock: Clock = clock or SystemClock()
         self._join_secret = join_secret
         self._poll = supervisor_poll_seconds
+        self._round_check = round_check_seconds
         self._on_result_outcome = on_result_outcome
         self._tasks: list[asyncio.Task[None]] = []
         self._store: SqlStateStore | None = None
@@ -132,7 +134,13 @@ class CoordinatorCore:
         events = JobEvents(store)
         owner = coordinator_id(s.data_dir)
         supervisor = JobSupervisor(
-            store, clock=self.clock, notifier=notifier, events=events, owner=owner, poll_seconds=self._poll
+            store,
+            clock=self.clock,
+            notifier=notifier,
+            events=events,
+            owner=owner,
+            poll_seconds=self._poll,
+            round_check_seconds=self._round_check,
         )
         self.supervisor = supervisor
         self._device = DeviceProtocol(

@@ -22,7 +22,9 @@ import asyncio
 import json
 import logging
 import math
+import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -63,6 +65,10 @@ _TASK_WAIT = timedelta(seconds=30)
 #: How long stopped Runners get to wind down (release their task) before they are cancelled.
 _STOP_WAIT_S = 10.0
 _TICK_S = 0.25
+#: How often the workflow re-reads a round's state (see :func:`round_check_seconds`).
+_ROUND_CHECK_MIN_S = 0.05
+_ROUND_CHECK_MAX_S = 0.5
+_ROUND_CHECK_PER_DEVICE_S = 1e-4
 #: Bytes of results in flight the in-process transport aims for (see :func:`in_flight_limit`).
 _IN_FLIGHT_BYTES = 256 * 1024**2
 #: Results in flight at most, however small the model (more gains nothing: the coordinator batches
@@ -228,20 +234,46 @@ async def simulate(plan: Plan, pool: ExecutorPool) -> SimulationResult:
     errors = _WorkflowErrors()
     supervisor_log = logging.getLogger(_SUPERVISOR_LOGGER)
     supervisor_log.addHandler(errors)
+    workdir = Path(tempfile.mkdtemp(prefix="fedlink-sim-"))
     try:
-        with tempfile.TemporaryDirectory(prefix="fedlink-sim-") as tmp:
-            workdir = Path(tmp)
-            if plan.transport == "grpc":
-                async with Coordinator(_settings(plan, workdir)) as coordinator:
-                    assert coordinator.core is not None and coordinator.endpoint is not None
-                    wire = (coordinator.endpoint.address, workdir / "devices")
-                    return await _run(plan, coordinator.core, pool, errors, started, wire)
-            async with CoordinatorCore(_settings(plan, workdir), supervisor_poll_seconds=0.05) as core:
-                return await _run(plan, core, pool, errors, started, None)
+        if plan.transport == "grpc":
+            async with Coordinator(_settings(plan, workdir)) as coordinator:
+                assert coordinator.core is not None and coordinator.endpoint is not None
+                wire = (coordinator.endpoint.address, workdir / "devices")
+                return await _run(plan, coordinator.core, pool, errors, started, wire)
+        checks = round_check_seconds(plan.num_devices)
+        async with CoordinatorCore(
+            _settings(plan, workdir), supervisor_poll_seconds=0.05, round_check_seconds=checks
+        ) as core:
+            return await _run(plan, core, pool, errors, started, None)
     finally:
         supervisor_log.removeHandler(errors)
         for sink in plan.sinks:
             sink.close()
+        remove_in_background(workdir)
+
+
+def remove_in_background(path: Path) -> threading.Thread:
+    """Removes a run's scratch directory (its store and blobs) in a thread, so the result is not
+    held back by the file system deleting thousands of result blobs (seconds at 1,000 devices).
+
+    The thread is not a daemon: the interpreter waits for it at exit, so nothing is left behind.
+    """
+    thread = threading.Thread(
+        target=shutil.rmtree, args=(path,), kwargs={"ignore_errors": True}, name="fedlink-sim-cleanup"
+    )
+    thread.start()
+    return thread
+
+
+def round_check_seconds(num_devices: int) -> float:
+    """The least time between two reads of a round's state by the workflow (FedAvg's round summary).
+
+    A summary reads every task of the round: at 10,000 devices, re-read every 50 ms (the workflow's
+    default), it would keep the event loop busy all round. 0.1 ms per device keeps it to about a tenth
+    of the loop, at a cost of at most that much latency when the round's last result arrives.
+    """
+    return min(_ROUND_CHECK_MAX_S, max(_ROUND_CHECK_MIN_S, num_devices * _ROUND_CHECK_PER_DEVICE_S))
 
 
 def in_flight_limit(model_bytes: int, workers: int) -> int:

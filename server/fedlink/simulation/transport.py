@@ -5,8 +5,9 @@ stored DXO bytes, decoded **once per model** (not once per device) and shared by
 round. Sharing is safe because the arrays are read-only (an executor that writes to one gets
 numpy's ``ValueError``, which fails its task loudly instead of corrupting its neighbours') and each
 device gets its own ``DXO`` container (``data`` and ``meta`` dicts), so setting meta or replacing an
-array touches only that device's copy. Results go up as the serialized DXO, exactly as over gRPC: the
-protocol validates them and stores them as blobs.
+array touches only that device's copy. Results go up as the serialized DXO, as over gRPC, which the
+protocol stores as blobs; it validates the DXO object itself (``ResultInput.decoded``) rather than
+decoding those bytes again.
 
 Per-device state is a few fields, so ten thousand devices fit easily: the shared parts (the core, the
 model cache, the counters) live in one :class:`DeviceHub`.
@@ -299,6 +300,7 @@ class InProcessTransport(Transport):
                 inline=result.to_bytes() if result is not None else None,
                 error_message=report.error_message,
                 request_id=report.request_id or uuid.uuid4().hex,
+                decoded=result,  # validated as it is: decoding its bytes again would give it back
             )
             reply = await self._hub.core.device_protocol.report_result(self._seen(), request)
         finally:

@@ -133,6 +133,9 @@ class ResultInput:
     blob_sha256: str | None = None
     error_message: str = ""
     request_id: str = ""
+    #: In-process callers only (the simulation): ``inline`` decoded already, validated as it is
+    #: instead of being decoded again. It must be exactly what ``inline`` decodes to.
+    decoded: DXO | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -531,7 +534,8 @@ class DeviceProtocol:
             data = await self._store.blobs.read(report.blob_sha256)
         else:
             raise InvalidArgument("a SUCCEEDED report needs a result (inline DXO or blob)")
-        dxo = DXO.from_bytes(data)
+        in_process = report.inline is not None and report.decoded is not None
+        dxo = report.decoded if in_process and report.decoded is not None else DXO.from_bytes(data)
         await self._validator.validate(task, dxo)
         if report.inline is not None:
             # Stored with the report's batch (one transaction for a batch's payloads).

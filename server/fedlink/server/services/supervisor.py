@@ -36,6 +36,7 @@ class JobSupervisor:
         run_lease: timedelta = timedelta(seconds=30),
         scan_seconds: float = 2.0,
         poll_seconds: float = 1.0,
+        round_check_seconds: float | None = None,
     ) -> None:
         self._store = store
         self._clock = clock
@@ -45,6 +46,8 @@ class JobSupervisor:
         self._run_lease = run_lease
         self._scan_seconds = scan_seconds
         self._poll_seconds = poll_seconds
+        #: The least time between two reads of a round's state (None: the workflow's default).
+        self._round_check_seconds = round_check_seconds
         self._drivers: dict[str, asyncio.Task[None]] = {}
         self._progress: dict[str, Progress] = {}
         self._wake = asyncio.Event()
@@ -116,7 +119,10 @@ class JobSupervisor:
                 job=job,
                 run=run,
             )
-            await FedAvg(params, poll_seconds=self._poll_seconds).run(ctx)
+            checks = (
+                {} if self._round_check_seconds is None else {"min_check_seconds": self._round_check_seconds}
+            )
+            await FedAvg(params, poll_seconds=self._poll_seconds, **checks).run(ctx)
             await self._finish(job, run, JobState.FINISHED, RunState.FINISHED, "")
             log.info("job finished", extra={"job_id": job.job_id})
         except asyncio.CancelledError:
