@@ -74,23 +74,37 @@ class RoundQueries(StoreCore):
         )
         held = sa.exists().where(assignments.c.task_id == t.c.task_id, assignments.c.state.in_(_HELD))
         lost = sa.exists().where(assignments.c.task_id == t.c.task_id, assignments.c.state.in_(_LOST))
-        query = sa.select(t.c.state, t.c.created_at, t.c.deadline, answered, succeeded, held, lost).where(
-            t.c.run_id == run_id, t.c.round == round, t.c.name == name
+        # Counted by the database, one row back: fetching a row per task cost the coordinator's event
+        # loop ~30 ms per 1,000 tasks (datetime conversion), re-read every 50 ms while a round runs.
+        where = (t.c.run_id == run_id, t.c.round == round, t.c.name == name)
+        first = sa.select(sa.func.min(tasks.c.created_at)).where(
+            tasks.c.run_id == run_id, tasks.c.round == round, tasks.c.name == name
         )
-        async with self._db.read() as conn:
-            found = (await conn.execute(query)).all()
-        open_state = TaskState.OPEN.value
-        first = min((r[1] for r in found), default=None)
-        open_rows = [r for r in found if r[0] == open_state]
-        return RoundSummary(
-            tasks=len(found),
-            first_wave=sum(1 for r in found if r[1] == first),
-            open=len(open_rows),
-            succeeded=sum(1 for r in found if r[4]),
-            owing=sum(1 for r in open_rows if not r[3] and not (r[6] and not r[5])),
+        is_open = t.c.state == TaskState.OPEN.value
+
+        def count(condition: sa.ColumnElement[bool]) -> sa.ColumnElement[int]:
+            return sa.func.coalesce(sa.func.sum(sa.case((condition, 1), else_=0)), 0)
+
+        query = sa.select(
+            sa.func.count(),
+            count(t.c.created_at == first.scalar_subquery()),
+            count(is_open),
+            count(succeeded),
+            count(sa.and_(is_open, ~answered, ~sa.and_(lost, ~held))),
             # A failed result counts as lost too: its slot is free for a replacement device.
-            lost_open=sum(1 for r in open_rows if r[6] and not r[5] and not r[4]),
-            next_deadline=min((r[2] for r in open_rows), default=None),
+            count(sa.and_(is_open, lost, ~held, ~succeeded)),
+            sa.func.min(sa.case((is_open, t.c.deadline))),
+        ).where(*where)
+        async with self._db.read() as conn:
+            found = (await conn.execute(query)).one()
+        return RoundSummary(
+            tasks=int(found[0]),
+            first_wave=int(found[1]),
+            open=int(found[2]),
+            succeeded=int(found[3]),
+            owing=int(found[4]),
+            lost_open=int(found[5]),
+            next_deadline=found[6],
         )
 
     async def close_round_tasks(self, *, run_id: str, round: int, name: str) -> int:
