@@ -36,7 +36,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Final, Protocol, TypeVar, runtime_checkable
+from typing import Any, Final, Protocol, TypeVar, runtime_checkable
 
 from fedlink.common.dxo import DXO
 from fedlink.common.errors import FedlinkError, InvalidArgument
@@ -216,6 +216,8 @@ class Runner:
         self.history: list[TaskRecord] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
+        #: The transport calls and waits in progress, which stop() cancels (see _guarded).
+        self._guarded_work: set[asyncio.Future[Any]] = set()
         self._stop_requested = threading.Event()
         self._pending_grace: float | None = None
         self._task_signal: Signal | None = None
@@ -276,6 +278,8 @@ class Runner:
     def _begin_stop(self, grace: float) -> None:
         assert self._loop is not None and self._stop_event is not None
         self._stop_event.set()
+        for work in list(self._guarded_work):
+            work.cancel()
         if grace <= 0:
             self._abort()
         else:
@@ -294,18 +298,20 @@ class Runner:
         if self._stop_event.is_set():
             work.cancel()
             raise _Stopped
-        stopper = asyncio.ensure_future(self._stop_event.wait())
+        # stop() cancels what is in this set: no watcher task per call (10,000 simulated devices
+        # make a call each, every round).
+        self._guarded_work.add(work)
         try:
-            await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            # Cancelling this task cancels ``work`` too, and waits for it to unwind (and close its gRPC
+            # call) before going on.
+            return await work
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if work.cancelled() and not (current is not None and current.cancelling()):
+                raise _Stopped from None  # cancelled by stop(), not by someone cancelling the runner
+            raise
         finally:
-            stopper.cancel()
-            if not work.done():
-                work.cancel()
-                # Let the cancelled call unwind (and close its gRPC call) before going on.
-                await asyncio.wait({work})
-        if work.cancelled():
-            raise _Stopped
-        return work.result()
+            self._guarded_work.discard(work)
 
     async def _sleep(self, seconds: float) -> None:
         await self._guarded(asyncio.sleep(seconds))
