@@ -534,8 +534,8 @@ class DeviceProtocol:
             data = await self._store.blobs.read(report.blob_sha256)
         else:
             raise InvalidArgument("a SUCCEEDED report needs a result (inline DXO or blob)")
-        in_process = report.inline is not None and report.decoded is not None
-        dxo = report.decoded if in_process and report.decoded is not None else DXO.from_bytes(data)
+        decoded = report.decoded if report.inline is not None else None
+        dxo = decoded if decoded is not None else DXO.from_bytes(data)
         await self._validator.validate(task, dxo)
         if report.inline is not None:
             # Stored with the report's batch (one transaction for a batch's payloads).
