@@ -184,11 +184,15 @@ class DeviceQueries(StoreCore):
         Unauthenticated that :meth:`authenticate_device` would raise for it."""
         if not credential_hashes:
             return []
-        async with self._db.read() as conn:
+        wanted = sorted(set(credential_hashes))
+
+        def read(conn: sa.Connection) -> dict[str, Device]:
             array = conn.dialect.name == "postgresql"
             statement = sa.select(devices).where(among(devices.c.credential_hash, "hashes", array=array))
-            found = (await conn.execute(statement, {"hashes": sorted(set(credential_hashes))})).all()
-        by_hash = {row.credential_hash: rows.device(row) for row in found}
+            found = conn.execute(statement, {"hashes": wanted}).all()
+            return {row.credential_hash: rows.device(row) for row in found}
+
+        by_hash = await self._db.read_sync(read)
         return [_callable(by_hash.get(credential_hash)) for credential_hash in credential_hashes]
 
 
