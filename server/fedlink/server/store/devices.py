@@ -184,15 +184,11 @@ class DeviceQueries(StoreCore):
         Unauthenticated that :meth:`authenticate_device` would raise for it."""
         if not credential_hashes:
             return []
-        wanted = sorted(set(credential_hashes))
-
-        def read(conn: sa.Connection) -> dict[str, Device]:
+        async with self._db.read() as conn:
             array = conn.dialect.name == "postgresql"
             statement = sa.select(devices).where(among(devices.c.credential_hash, "hashes", array=array))
-            found = conn.execute(statement, {"hashes": wanted}).all()
-            return {row.credential_hash: rows.device(row) for row in found}
-
-        by_hash = await self._db.read_sync(read)
+            found = (await conn.execute(statement, {"hashes": sorted(set(credential_hashes))})).all()
+        by_hash = {row.credential_hash: rows.device(row) for row in found}
         return [_callable(by_hash.get(credential_hash)) for credential_hash in credential_hashes]
 
 

@@ -40,8 +40,6 @@ _WRITE_OPTION = "fedlink_write"
 # PostgreSQL SQLSTATEs worth retrying the whole transaction for.
 _RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
 _MAX_ATTEMPTS = 8
-#: Threads (each with its pysqlite connection) that run read_sync's transactions on a SQLite file.
-_SYNC_READERS = 2
 
 
 def is_memory_sqlite(url: str) -> bool:
@@ -69,18 +67,17 @@ def _on_sqlite_begin(conn: sa.Connection) -> None:
     conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
 
-def _sqlite_sync_engine(url: str, *, write: bool = True, pool_size: int = 1) -> sa.Engine:
-    """A plain pysqlite engine on the same SQLite file, with the same settings, for the writer thread
-    (or, with ``write=False``, for the reader threads)."""
+def _sqlite_sync_engine(url: str) -> sa.Engine:
+    """A plain pysqlite engine on the same SQLite file, with the same settings, for the writer thread."""
     engine = sa.create_engine(
         make_url(url).set(drivername="sqlite+pysqlite"),
         connect_args={"check_same_thread": False},
-        pool_size=pool_size,
+        pool_size=1,
         max_overflow=0,
     )
     event.listen(engine, "connect", lambda c, r: _on_sqlite_connect(c, r, memory=False))
     event.listen(engine, "begin", _on_sqlite_begin)
-    return engine.execution_options(**{_WRITE_OPTION: True}) if write else engine
+    return engine.execution_options(**{_WRITE_OPTION: True})
 
 
 def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
@@ -139,8 +136,6 @@ class Database:
         self._write_engine = self.engine.execution_options(**{_WRITE_OPTION: True})
         # Built on first use of write_sync: only a SQLite file gets its own writer thread.
         self._sync_writer: tuple[sa.Engine, ThreadPoolExecutor] | None = None
-        # Built on first use of read_sync: only a SQLite file gets reader threads of its own.
-        self._sync_readers: tuple[sa.Engine, ThreadPoolExecutor] | None = None
         # Callers queue here for a pooled connection instead of failing with the pool's checkout
         # timeout when thousands of long polls read at once (SQLite file: QueuePool 5 + 10 overflow).
         capacity = 15 if self.is_sqlite else 2 * pool_size
@@ -195,27 +190,6 @@ class Database:
             # If the caller is cancelled the thread still finishes (commits or rolls back) on its own.
             return await asyncio.get_running_loop().run_in_executor(thread, _in_transaction, engine, work)
 
-    async def read_sync(self, work: Callable[[sa.Connection], T]) -> T:
-        """Run synchronous ``work`` in one read-only transaction.
-
-        On a SQLite file the whole transaction runs in one of the store's reader threads on a plain
-        pysqlite connection: one thread hop instead of one per BEGIN, cursor, execute, fetch, close
-        and rollback (a few hundred microseconds of the event loop's time instead of about a
-        millisecond). Elsewhere inside the async connection's ``run_sync``.
-        """
-        if not self.is_sqlite or self._memory:
-            async with self.read() as conn:
-                return await conn.run_sync(work)
-        engine, threads = self._readers()
-        return await asyncio.get_running_loop().run_in_executor(threads, _in_transaction, engine, work)
-
-    def _readers(self) -> tuple[sa.Engine, ThreadPoolExecutor]:
-        if self._sync_readers is None:
-            threads = ThreadPoolExecutor(_SYNC_READERS, thread_name_prefix="fedlink-sqlite-reader")
-            engine = _sqlite_sync_engine(self.url, write=False, pool_size=_SYNC_READERS)
-            self._sync_readers = (engine, threads)
-        return self._sync_readers
-
     def _writer(self) -> tuple[sa.Engine, ThreadPoolExecutor]:
         if self._sync_writer is None:
             thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedlink-sqlite-writer")
@@ -223,12 +197,7 @@ class Database:
         return self._sync_writer
 
     async def dispose(self) -> None:
-        """Close every pooled connection (and stop the SQLite writer and reader threads)."""
-        if self._sync_readers is not None:
-            engine, threads = self._sync_readers
-            self._sync_readers = None
-            threads.shutdown(wait=True)
-            engine.dispose()
+        """Close every pooled connection (and stop the SQLite writer thread)."""
         if self._sync_writer is not None:
             engine, thread = self._sync_writer
             self._sync_writer = None
