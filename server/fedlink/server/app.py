@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -32,7 +31,7 @@ from fedlink.server.credentials import (
     resolve_admin_token,
     resolve_join_secret,
 )
-from fedlink.server.domain import Clock, Device, SystemClock
+from fedlink.server.domain import Clock, SystemClock
 from fedlink.server.protocol.device import DeviceProtocol
 from fedlink.server.services.metrics import MetricsCollector
 from fedlink.server.settings import CoordinatorSettings
@@ -45,7 +44,6 @@ log = logging.getLogger(__name__)
 
 RUNNER_SERVICE = runner_service_pb2.DESCRIPTOR.services_by_name["RunnerService"]
 CONTROL_SERVICE = control_service_pb2.DESCRIPTOR.services_by_name["ControlService"]
-_AUTH_CACHE_SECONDS = 2.0
 #: Calls grpc-core may hold for the server before cancelling new ones (its defaults: 1,000 and 3,000).
 _MAX_PENDING_CALLS = 100_000
 
@@ -62,36 +60,20 @@ class Endpoint:
 
 
 class _DeviceAuth:
-    """Authenticates RunnerService calls by device credential, with a short cache.
+    """Authenticates RunnerService calls by device credential.
 
-    Revocations through this coordinator evict the cache at once; the cache only bounds how long a
-    revocation done elsewhere (another replica) takes to bite.
+    Nothing is cached: every call is checked against the store (concurrent calls share one read), so
+    a device revoked through any coordinator sharing the database is refused from its next call on.
     """
 
-    def __init__(self, protocol: DeviceProtocol, loop_time: Any) -> None:
+    def __init__(self, protocol: DeviceProtocol) -> None:
         self._protocol = protocol
-        self._cache: dict[str, tuple[float, Device]] = {}
-        self._time = loop_time
 
     async def __call__(self, token: str | None, method: str) -> Principal:
         if method == "Enroll":
             return Principal("anonymous")
-        now = self._time()
-        hit = self._cache.get(token or "")
-        if hit is not None and now - hit[0] < _AUTH_CACHE_SECONDS:
-            device = hit[1]
-            self._protocol.note_seen(device.device_id)
-        else:
-            device = await self._protocol.authenticate(token)
-            if len(self._cache) > 100_000:
-                self._cache.clear()
-            self._cache[token or ""] = (now, device)
+        device = await self._protocol.authenticate(token)
         return Principal("device", device_id=device.device_id, device=device)
-
-    def evict(self, device_id: str) -> None:
-        for token, (_, device) in list(self._cache.items()):
-            if device.device_id == device_id:
-                del self._cache[token]
 
 
 class _AdminAuth:
@@ -161,8 +143,7 @@ class Coordinator:
         self.store = store
         self.device_protocol = core.device_protocol
         self.admin_token = resolve_admin_token(s)
-        device_auth = _DeviceAuth(core.device_protocol, asyncio.get_running_loop().time)
-        core.on_device_revoked.append(device_auth.evict)
+        device_auth = _DeviceAuth(core.device_protocol)
         device_protocol, control_protocol = core.device_protocol, core.control_protocol
         server = grpc.aio.server(
             options=[

@@ -100,6 +100,7 @@ class Telemetry:
             buckets=RPC_DURATION_BUCKETS,
             registry=r,
         )
+        self._rpc_series: dict[tuple[str, str, grpc.StatusCode], tuple[Counter, Histogram]] = {}
         self._devices = Gauge("fedlink_devices", "Enrolled devices by state.", ("state",), registry=r)
         self._jobs = Gauge("fedlink_jobs", "Jobs by state.", ("state",), registry=r)
         self._round = Gauge(
@@ -128,8 +129,17 @@ class Telemetry:
 
     def observe(self, service: str, method: str, code: grpc.StatusCode, seconds: float) -> None:
         """Records one finished RPC (the ``RpcObserver`` the gRPC layer calls)."""
-        self._rpc_requests.labels(service=service, method=method, code=code.name).inc()
-        self._rpc_duration.labels(service=service, method=method).observe(seconds)
+        series = self._rpc_series.get((service, method, code))
+        if series is None:
+            # Looking a labelled series up costs microseconds per call: every RPC does it, so the
+            # (bounded: service x method x code) series are looked up once and kept.
+            series = (
+                self._rpc_requests.labels(service=service, method=method, code=code.name),
+                self._rpc_duration.labels(service=service, method=method),
+            )
+            self._rpc_series[(service, method, code)] = series
+        series[0].inc()
+        series[1].observe(seconds)
 
     def set_devices(self, counts: Mapping[DeviceState, int] | Mapping[str, int]) -> None:
         """Sets the number of devices in each state; states left out are set to 0.

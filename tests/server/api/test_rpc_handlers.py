@@ -35,6 +35,10 @@ class _Impl:
             raise ZeroDivisionError("bug")
         return pb.GetJobResponse(status=pb.RUNNER_STATUS_OK, job_name=call.principal.device_id)
 
+    async def ReportResult(self, request: pb.ReportResultRequest, call: Call) -> pb.ReportResultResponse:
+        self.log_fields.append(dict(bound_fields()))
+        return pb.ReportResultResponse(status=pb.RUNNER_STATUS_OK)
+
     async def UploadBlob(
         self, requests: AsyncIterator[pb.UploadBlobRequest], call: Call
     ) -> pb.UploadBlobResponse:
@@ -189,3 +193,19 @@ def test_a_missing_implementation_is_refused_at_startup() -> None:
 
     with pytest.raises(TypeError, match="does not implement RunnerService"):
         method_handlers(SERVICE, Partial(), _auth)
+
+
+async def test_log_lines_carry_what_the_call_is_about(server: tuple[str, _Impl, _Observer]) -> None:
+    address, impl, _ = server
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = channel.unary_unary(
+            "/fedlink.v1.RunnerService/ReportResult",
+            request_serializer=pb.ReportResultRequest.SerializeToString,
+            response_deserializer=pb.ReportResultResponse.FromString,
+        )
+        await stub(pb.ReportResultRequest(job_id="job-1", task_id="task-1"), metadata=_meta("dev-7"))
+        await stub(pb.ReportResultRequest(job_id="job-2"), metadata=_meta("dev-8"))
+    assert impl.log_fields == [
+        {"job_id": "job-1", "task_id": "task-1", "device_id": "dev-7"},
+        {"job_id": "job-2", "device_id": "dev-8"},  # an empty field is left out
+    ]

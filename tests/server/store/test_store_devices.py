@@ -67,3 +67,15 @@ async def test_list_devices_pages_and_filters(store: SqlStateStore, clock: Manua
     assert seen == [d.device_id for d in reversed(made)]
     revoked = await store.list_devices(state=DeviceState.REVOKED)
     assert [d.device_id for d in revoked.items] == [made[1].device_id]
+
+
+async def test_authenticate_many_answers_each_hash_in_order(store: SqlStateStore) -> None:
+    a = await store.enroll_device({"n": "a"}, {}, "h-a")
+    b = await store.enroll_device({"n": "b"}, {}, "h-b")
+    await store.revoke_device(b.device_id)
+    assert await store.authenticate_devices([]) == []
+    answers = await store.authenticate_devices(["h-a", "h-unknown", "h-b", "h-a"])
+    assert answers[0] == answers[3] == a == await store.authenticate_device("h-a")
+    assert isinstance(answers[1], Unauthenticated) and "unknown" in answers[1].message
+    assert isinstance(answers[2], Unauthenticated) and b.device_id in answers[2].message
+    assert "revoked" in answers[2].message

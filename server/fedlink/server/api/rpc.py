@@ -106,12 +106,19 @@ class _Guard:
     """Shared pre/post processing of one method."""
 
     def __init__(
-        self, service: str, method: str, authenticate: Authenticator, observer: RpcObserver | None
+        self,
+        service: str,
+        method: str,
+        authenticate: Authenticator,
+        observer: RpcObserver | None,
+        logged: tuple[str, ...] = (),
     ) -> None:
         self.service = service
         self.method = method
         self.authenticate = authenticate
         self.observer = observer
+        #: The fields of _LOGGED_FIELDS this method's request has.
+        self.logged = logged
 
     async def begin(self, request: object, context: grpc.aio.ServicerContext[Any, Any]) -> Call:
         if isinstance(request, _Malformed):
@@ -121,10 +128,15 @@ class _Guard:
             )
         principal = await self.authenticate(bearer_token(context), self.method)
         # Every log line of this call carries who and what it is about (the call runs in its own task).
-        fields = {name: getattr(request, name, "") for name in _LOGGED_FIELDS}
+        fields: dict[str, object] = {}
+        if request is not None:
+            for name in self.logged:
+                if value := getattr(request, name):
+                    fields[name] = value
         if principal.device_id:
             fields["device_id"] = principal.device_id
-        bind_task(**{name: value for name, value in fields.items() if value})
+        if fields:
+            bind_task(**fields)
         return Call(principal, context, self.method)
 
     def resolve(
@@ -222,7 +234,8 @@ def _handler_for(
     authenticate: Authenticator,
     observer: RpcObserver | None,
 ) -> grpc.RpcMethodHandler[Any, Any]:
-    guard = _Guard(service.name, method.name, authenticate, observer)
+    logged = tuple(name for name in _LOGGED_FIELDS if name in method.input_type.fields_by_name)
+    guard = _Guard(service.name, method.name, authenticate, observer, logged)
     request_cls = message_factory.GetMessageClass(method.input_type)
     parse = _deserializer(request_cls)
     if method.client_streaming and not method.server_streaming:

@@ -39,6 +39,7 @@ from fedlink.server.domain import (
     ResultStatus,
     Task,
 )
+from fedlink.server.protocol.authentication import DeviceAuthenticator
 from fedlink.server.protocol.batching import Batcher
 from fedlink.server.protocol.cookies import Cookie, CookieSigner
 from fedlink.server.protocol.notify import TaskNotifier
@@ -230,6 +231,7 @@ class DeviceProtocol:
             self._claimable_batch, max_batch=_CLAIMABLE_BATCH
         )
         self._reads = JobReads(store)  # a round's devices read their job at once: one read serves them
+        self._authenticator = DeviceAuthenticator(store)  # one credential read per batch of calls
         self._reports: Batcher[_StagedReport, RecordOutcome] = Batcher(self._report_batch)
         self._seen: set[str] = set()
         self._payloads: dict[str, asyncio.Future[TaskPayload]] = {}
@@ -292,9 +294,7 @@ class DeviceProtocol:
 
     async def authenticate(self, credential: str | None) -> Device:
         """Returns the device a credential belongs to; Unauthenticated if none, unknown or revoked."""
-        if not credential:
-            raise Unauthenticated("this call needs a device credential: authorization: Bearer <credential>")
-        device = await self._store.authenticate_device(hash_credential(credential))
+        device = await self._authenticator.device(credential)
         self._seen.add(device.device_id)
         return device
 

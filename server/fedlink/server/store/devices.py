@@ -13,7 +13,7 @@ from fedlink.server.domain import Device, DeviceState, new_id, transition_device
 from fedlink.server.store import rows
 from fedlink.server.store.core import StoreCore
 from fedlink.server.store.protocol import NewDevice, Page
-from fedlink.server.store.schema import devices
+from fedlink.server.store.schema import among, devices
 
 #: Device ids per SELECT when reading back a batch enrolment.
 _ENROL_CHUNK = 500
@@ -178,3 +178,23 @@ class DeviceQueries(StoreCore):
             rows.encode_page_token(items[-1].enrolled_at, items[-1].device_id) if len(found) > size else ""
         )
         return Page(items=items, next_page_token=token)
+
+    async def authenticate_devices(self, credential_hashes: Sequence[str]) -> list[Device | Unauthenticated]:
+        """Authenticate many credentials with one read: per hash, in order, its device or the
+        Unauthenticated that :meth:`authenticate_device` would raise for it."""
+        if not credential_hashes:
+            return []
+        async with self._db.read() as conn:
+            array = conn.dialect.name == "postgresql"
+            statement = sa.select(devices).where(among(devices.c.credential_hash, "hashes", array=array))
+            found = (await conn.execute(statement, {"hashes": sorted(set(credential_hashes))})).all()
+        by_hash = {row.credential_hash: rows.device(row) for row in found}
+        return [_callable(by_hash.get(credential_hash)) for credential_hash in credential_hashes]
+
+
+def _callable(device: Device | None) -> Device | Unauthenticated:
+    if device is None:
+        return Unauthenticated("unknown device credential")
+    if device.state is DeviceState.REVOKED:
+        return Unauthenticated(f"the credential of device {device.device_id} was revoked")
+    return device

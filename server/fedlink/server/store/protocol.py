@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Generic, Protocol, TypeVar
 
-from fedlink.common.errors import FedlinkError
+from fedlink.common.errors import FedlinkError, Unauthenticated
 from fedlink.server.domain import (
     Assignment,
     Blob,
@@ -265,6 +265,11 @@ class StateStore(Protocol):
 
     async def authenticate_device(self, credential_hash: str) -> Device:
         """Return the device with this credential; Unauthenticated if unknown or revoked."""
+        ...
+
+    async def authenticate_devices(self, credential_hashes: Sequence[str]) -> list[Device | Unauthenticated]:
+        """Authenticate many credentials with one read: per hash, in order, its device or the
+        Unauthenticated that :meth:`authenticate_device` would raise for it."""
         ...
 
     async def get_device(self, device_id: str) -> Device:
