@@ -17,7 +17,6 @@ increasing), chunk by chunk. Every problem raises :class:`~fedlink.common.errors
 
 from __future__ import annotations
 
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Final
@@ -29,7 +28,7 @@ from fedlink.common import dtypes
 from fedlink.common.dtypes import FLOAT_DTYPES
 from fedlink.common.dxo import DataKind, MetaValue, _read_meta
 from fedlink.common.errors import InvalidArgument
-from fedlink.common.tensors import MAX_TENSOR_ELEMENTS, TensorEncoding
+from fedlink.common.tensors import MAX_TENSOR_ELEMENTS, TensorEncoding, element_count
 from fedlink.v1 import dxo_pb2
 
 __all__ = ["DxoOutline", "TensorOutline", "read_outline"]
@@ -48,7 +47,6 @@ _KIND_FROM_PROTO: Final[dict[int, DataKind]] = {
     dxo_pb2.DATA_KIND_COLLECTION: DataKind.COLLECTION,
     dxo_pb2.DATA_KIND_APP_DEFINED: DataKind.APP_DEFINED,
 }
-_MAX_DIMS: Final[int] = 64
 _INDEX: Final = np.dtype("<i8")
 _DEPTH: Final[int] = 100  # the protobuf runtime's default recursion limit
 
@@ -482,17 +480,7 @@ def _finish(message: _Message, path: str, max_elements: int) -> DxoOutline:
 
 
 def _finish_tensor(tensor: _Tensor, name: str, max_elements: int) -> TensorOutline:
-    dtypes.check_dtype_name(tensor.dtype, tensor=name)
-    shape = tensor.shape
-    if len(shape) > _MAX_DIMS:
-        raise InvalidArgument(f"{_label(name)}{len(shape)} dimensions; at most {_MAX_DIMS} are allowed")
-    if any(dim < 0 for dim in shape):
-        raise InvalidArgument(f"{_label(name)}negative dimension in shape {list(shape)}")
-    count = math.prod(shape)
-    if count > max_elements:
-        raise InvalidArgument(
-            f"{_label(name)}shape {list(shape)} has {count} elements, more than the limit of {max_elements}"
-        )
+    count = element_count(tensor.dtype, tensor.shape, name=name, max_elements=max_elements)
     encoding = tensor.encoding
     if encoding is None:
         raise InvalidArgument(f"{_label(name)}no encoding set (expected one of dense, float16, sparse)")
@@ -507,7 +495,7 @@ def _finish_tensor(tensor: _Tensor, name: str, max_elements: int) -> TensorOutli
         _check_length(tensor.data_bytes, count * 2, "float16 data", name, f"{count} × 2")
     else:
         _check_sparse(tensor, count, itemsize, name)
-    return TensorOutline(dtype=tensor.dtype, shape=tuple(shape), encoding=encoding)
+    return TensorOutline(dtype=tensor.dtype, shape=tuple(tensor.shape), encoding=encoding)
 
 
 def _check_sparse(tensor: _Tensor, count: int, itemsize: int, name: str) -> None:

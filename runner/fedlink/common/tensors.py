@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from typing import Final
 
 import numpy as np
@@ -37,6 +38,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "TensorEncoding",
     "decode_tensor",
+    "element_count",
     "encode_tensor",
     "fill_tensor",
     "tensor_encoding",
@@ -180,8 +182,18 @@ def tensor_nbytes(message: dxo_pb2.Tensor, *, name: str = "") -> int:
 
 
 def _element_count(message: dxo_pb2.Tensor, name: str, max_elements: int | None) -> int:
-    dtypes.check_dtype_name(message.dtype, tensor=name)
-    shape = message.shape
+    return element_count(message.dtype, message.shape, name=name, max_elements=max_elements)
+
+
+def element_count(
+    dtype_name: str, shape: Sequence[int], *, name: str = "", max_elements: int | None = None
+) -> int:
+    """The number of elements of a tensor of ``shape``, after checking its dtype name and shape.
+
+    Raises:
+        InvalidArgument: Unknown dtype, too many or negative dimensions, or more than ``max_elements``.
+    """
+    dtypes.check_dtype_name(dtype_name, tensor=name)
     if len(shape) > _MAX_DIMS:
         raise InvalidArgument(f"{_label(name)}{len(shape)} dimensions; at most {_MAX_DIMS} are allowed")
     if any(dim < 0 for dim in shape):
