@@ -46,6 +46,7 @@ from fedlink.server.protocol.notify import TaskNotifier
 from fedlink.server.protocol.possession import require_held
 from fedlink.server.protocol.reads import JobReads, remember
 from fedlink.server.protocol.results import ResultValidator
+from fedlink.server.protocol.shared import SharedReads
 from fedlink.server.store import ClaimRequest, RecordOutcome, ResultReport, StateStore
 
 #: Task payloads kept in memory (a few global models: the current round's and the last ones).
@@ -234,7 +235,7 @@ class DeviceProtocol:
         self._authenticator = DeviceAuthenticator(store)  # one credential read per batch of calls
         self._reports: Batcher[_StagedReport, RecordOutcome] = Batcher(self._report_batch)
         self._seen: set[str] = set()
-        self._payloads: dict[str, asyncio.Future[TaskPayload]] = {}
+        self._payloads = SharedReads(self._read_payload, _PAYLOAD_CACHE)
         self._tasks: dict[str, Task] = {}
         self._prefetched_rounds: set[tuple[str, int]] = set()
         self._assignments: dict[str, Assignment] = {}
@@ -416,18 +417,7 @@ class DeviceProtocol:
     async def _payload(self, sha256: str) -> TaskPayload:
         # Every device of a round gets the same model: read it from the blob store once. The devices
         # of a round ask together, so the first asker's read is shared (a future), not repeated.
-        pending = self._payloads.get(sha256)
-        if pending is None:
-            pending = asyncio.ensure_future(self._read_payload(sha256))
-            if len(self._payloads) >= _PAYLOAD_CACHE:
-                self._payloads.pop(next(iter(self._payloads)))
-            self._payloads[sha256] = pending
-        try:
-            return await asyncio.shield(pending)
-        except Exception:
-            if self._payloads.get(sha256) is pending:
-                del self._payloads[sha256]  # a failed read is not kept: the next asker tries again
-            raise
+        return await self._payloads.get(sha256)
 
     async def _read_payload(self, sha256: str) -> TaskPayload:
         blob = await self._store.blobs.stat(sha256)

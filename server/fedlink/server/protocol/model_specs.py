@@ -9,11 +9,10 @@ content never changes, and an outline is a few bytes per variable.
 
 from __future__ import annotations
 
-import asyncio
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 from fedlink.common.dxo_outline import DxoOutline, read_outline
+from fedlink.server.protocol.shared import SharedReads
 from fedlink.server.store import BlobStore
 from fedlink.server.workflows.aggregation import VariableSpec
 
@@ -26,8 +25,8 @@ class ModelOutlines:
 
     def __init__(self, blobs: BlobStore, *, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
         self._blobs = blobs
-        self._cache_size = cache_size
-        self._outlines: OrderedDict[str, asyncio.Future[DxoOutline]] = OrderedDict()
+        # The devices of a round report together: the first one's read is shared.
+        self._outlines = SharedReads(self._read, cache_size)
 
     async def outline(self, sha256: str) -> DxoOutline:
         """The outline of the DXO stored as blob ``sha256``.
@@ -36,21 +35,7 @@ class ModelOutlines:
             NotFound: No such blob.
             InvalidArgument: The blob is not a DXO that :meth:`DXO.from_bytes` would decode.
         """
-        # The devices of a round report together: the first one's read is shared (a future).
-        pending = self._outlines.get(sha256)
-        if pending is None:
-            pending = asyncio.ensure_future(self._read(sha256))
-            self._outlines[sha256] = pending
-            while len(self._outlines) > self._cache_size:
-                self._outlines.popitem(last=False)
-        else:
-            self._outlines.move_to_end(sha256)
-        try:
-            return await asyncio.shield(pending)
-        except Exception:
-            if self._outlines.get(sha256) is pending:
-                del self._outlines[sha256]  # a failed read is not kept: the next caller tries again
-            raise
+        return await self._outlines.get(sha256)
 
     async def spec(self, sha256: str) -> dict[str, VariableSpec]:
         """Each variable's shape and dtype, as the decoded model's arrays would have them."""
