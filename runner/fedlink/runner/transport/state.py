@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedlink.common.errors import FailedPrecondition, InvalidArgument
+from fedlink.common.files import fsync_directory
 
 __all__ = ["Identity", "PendingResults", "StateDir", "write_private"]
 
@@ -34,16 +35,7 @@ def write_private(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    # The rename is durable only once the directory entry is.
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_directory(path.parent)  # the rename is durable only once the entry is
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -18,6 +18,7 @@ from typing import BinaryIO, Protocol
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from fedlink.common.files import fsync_directory
 from fedlink.server.store.dialect import Database
 from fedlink.server.store.protocol import CHUNK_SIZE
 from fedlink.server.store.schema import blob_chunks
@@ -178,14 +179,6 @@ def blob_files_need_fsync(database: Database) -> bool:
     return not database.is_sqlite
 
 
-def _fsync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class DirectoryBytes:
     """Blob files under a directory (``objects/ab/<sha256>``, ``uploads/<key>``); small blobs as rows.
 
@@ -256,7 +249,7 @@ class DirectoryBytes:
                     os.fsync(f.fileno())
             os.replace(partial, target)  # content-addressed: a file under its hash is always complete
             if self.fsync:
-                _fsync_directory(target.parent)
+                fsync_directory(target.parent)
 
     async def prepare_objects(self, items: Sequence[tuple[str, bytes]]) -> None:
         """Write each large blob's file under its hash, outside any transaction.
@@ -277,7 +270,7 @@ class DirectoryBytes:
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(self._path(key), target)
         if self.fsync:
-            _fsync_directory(target.parent)
+            fsync_directory(target.parent)
 
     async def rename(self, conn: AsyncConnection, key: str, sha256: str) -> None:
         """Move the upload's file to its place under ``objects/``."""
