@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -78,7 +79,7 @@ class Config:
     postgres_url: str | None = DEFAULT_PG_URL
     #: Which parts to run.
     parts: tuple[str, ...] = PARTS
-    #: Where py-spy writes profiles of the coordinator during the throughput and download runs; None: none.
+    #: Where py-spy writes coordinator profiles (throughput, download and idle runs); None: none.
     profile_dir: Path | None = None
 
 
@@ -280,6 +281,15 @@ async def _take_the_only_slot(address: str, job_name: str) -> None:
             pass
 
 
+async def _admission_settled(pid: int, *, limit_s: float, busy_percent: float = 25.0) -> float:
+    """Seconds until the coordinator used under ``busy_percent`` of a core for 1 s (``limit_s`` at most)."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < limit_s:
+        if await proc_stats.cpu_percent(pid, 1.0) < busy_percent:
+            break
+    return time.perf_counter() - started
+
+
 async def idle_polls(cfg: Config, workdir: Path) -> dict[str, Any]:
     """Devices waiting in GetTask on a job whose only slot is taken; the coordinator's CPU and RSS."""
     model = write_model_file(workdir / "small-model.bin", cfg.model_floats)
@@ -314,9 +324,13 @@ async def idle_polls(cfg: Config, workdir: Path) -> dict[str, Any]:
                     for i, spec in enumerate(specs)
                 ]
                 ready = [await load.event("ready", timeout_s=600) for load in loads]
-                await asyncio.sleep(2.0)  # let enrolment's last writes and the first claims settle
+                # "ready" means every poll was sent, not that the coordinator has taken it in: admitting
+                # 10,000 polls (authentication, a claim check each) takes seconds of its CPU. The idle
+                # window starts once that is over (or after the poll's own wait, whichever is first).
+                admitted_after = await _admission_settled(coord.pid, limit_s=cfg.idle_wait_s * 0.6)
                 rss_start = proc_stats.memory_use(coord.pid).rss_bytes
-                cpu = await proc_stats.cpu_percent(coord.pid, cfg.idle_window_s)
+                async with Profiler(cfg.profile_dir, coord.pid, "coordinator-idle"):
+                    cpu = await proc_stats.cpu_percent(coord.pid, cfg.idle_window_s)
                 memory = proc_stats.memory_use(coord.pid)
                 for load in loads:
                     load.send("stop")
@@ -335,6 +349,7 @@ async def idle_polls(cfg: Config, workdir: Path) -> dict[str, Any]:
         "waiting_at_start": sum(r["in_flight"] for r in ready),
         "waiting_at_stop": waiting,
         "window_s": cfg.idle_window_s,
+        "admission_s": round(admitted_after, 1),
         "coordinator_cpu_percent": round(cpu, 1),
         "coordinator_rss_mib": round(memory.rss_bytes / MiB, 1),
         "coordinator_rss_at_window_start_mib": round(rss_start / MiB, 1),
@@ -477,7 +492,7 @@ def format_report(report: dict[str, Any]) -> str:
     if "idle" in report:
         i = report["idle"]
         lines.append(
-            f"idle long polls: {i['waiting_at_stop']:,} waiting: "
+            f"idle long polls: {i['waiting_at_stop']:,} waiting (taken in after {i['admission_s']} s): "
             f"coordinator CPU {i['coordinator_cpu_percent']}% "
             f"of a core over {i['window_s']} s, RSS {i['coordinator_rss_mib']:,.0f} MiB "
             f"(no pollers: {i['without_pollers']['cpu_percent']}%, "
@@ -510,7 +525,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="PostgreSQL maintenance database URL; 'none' to skip (env FEDLINK_BENCH_PG_URL)",
     )
     parser.add_argument(
-        "--profile", type=Path, help="py-spy the coordinator during throughput and download runs into DIR"
+        "--profile", type=Path, help="py-spy the coordinator (throughput, download, idle) into DIR"
     )
     parser.add_argument("--keep-workdir", action="store_true", help="keep the logs and databases")
     return parser.parse_args(argv)
