@@ -176,6 +176,8 @@ class FedAvg:
         self.params = params
         self._poll = poll_seconds
         self._min_check = min(min_check_seconds, poll_seconds)
+        #: The longest a round owing many results goes unread while progress signals come.
+        self._max_unread = max(min_check_seconds, poll_seconds)
 
     async def run(self, ctx: WorkflowContext) -> None:
         """Runs rounds from the run's last checkpoint to ``num_rounds``."""
@@ -299,15 +301,16 @@ class FedAvg:
         owes only a few results is read again at each progress signal, so its last result closes it
         at once. A round that owes more is read again once as many signals came (since ``seen``, the
         count when it was last read) as it owes results — every recorded report and release signals
-        once, so its last result still closes it at once — or after ``poll_seconds`` (a lease that
-        runs out sends no signal), and never sooner than ``min_check_seconds`` after the last read.
+        once, so its last result still closes it at once — or after the larger of ``poll_seconds`` and
+        ``min_check_seconds`` (a lease that runs out sends no signal), and never sooner than
+        ``min_check_seconds`` (at most ``poll_seconds``) after the last read.
         """
         loop = asyncio.get_running_loop()
         started = loop.time()
-        limit = min(self._poll, max(0.0, until_deadline))
         if owing <= _EAGER_OWING:
-            await ctx.progress.wait(limit)
+            await ctx.progress.wait(min(self._poll, max(0.0, until_deadline)))
             return
+        limit = min(self._max_unread, max(0.0, until_deadline))
         while ctx.progress.signals - seen < owing:
             left = limit - (loop.time() - started)
             if left <= 0:
