@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+#: Connections to a SQLite file in use at once at most (each is an aiosqlite thread).
+SQLITE_CONNECTIONS = 15
 _WRITE_OPTION = "fedlink_write"
 # PostgreSQL SQLSTATEs worth retrying the whole transaction for.
 _RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
@@ -89,6 +91,12 @@ def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
         kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False}}
         if memory:
             kwargs["poolclass"] = StaticPool
+        else:
+            # As many connections kept open as Database lets callers use at once: overflow connections
+            # beyond a smaller pool were opened and closed again under load, each with a new
+            # aiosqlite thread.
+            kwargs["pool_size"] = SQLITE_CONNECTIONS
+            kwargs["max_overflow"] = 0
         engine = create_async_engine(url, **kwargs)
         event.listen(engine.sync_engine, "connect", lambda c, r: _on_sqlite_connect(c, r, memory=memory))
         event.listen(engine.sync_engine, "begin", _on_sqlite_begin)
@@ -137,8 +145,8 @@ class Database:
         # Built on first use of write_sync: only a SQLite file gets its own writer thread.
         self._sync_writer: tuple[sa.Engine, ThreadPoolExecutor] | None = None
         # Callers queue here for a pooled connection instead of failing with the pool's checkout
-        # timeout when thousands of long polls read at once (SQLite file: QueuePool 5 + 10 overflow).
-        capacity = 15 if self.is_sqlite else 2 * pool_size
+        # timeout when thousands of long polls read at once (SQLite file: its whole pool).
+        capacity = SQLITE_CONNECTIONS if self.is_sqlite else 2 * pool_size
         self._slots = contextlib.nullcontext() if self._memory else asyncio.Semaphore(capacity)
 
     def insert_ignore(self, table: sa.Table) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -65,38 +66,11 @@ class RoundQueries(StoreCore):
 
     async def round_summary(self, *, run_id: str, round: int, name: str) -> RoundSummary:
         """Counts a round's tasks of one name by what their devices did (one query, no payloads)."""
-        t = tasks.alias("t")
-        answered = sa.exists().where(results.c.task_id == t.c.task_id, results.c.stale.is_(False))
-        succeeded = sa.exists().where(
-            results.c.task_id == t.c.task_id,
-            results.c.status == ResultStatus.SUCCEEDED.value,
-            results.c.accepted.is_(True),
-        )
-        held = sa.exists().where(assignments.c.task_id == t.c.task_id, assignments.c.state.in_(_HELD))
-        lost = sa.exists().where(assignments.c.task_id == t.c.task_id, assignments.c.state.in_(_LOST))
         # Counted by the database, one row back: fetching a row per task cost the coordinator's event
         # loop ~30 ms per 1,000 tasks (datetime conversion), re-read every 50 ms while a round runs.
-        where = (t.c.run_id == run_id, t.c.round == round, t.c.name == name)
-        first = sa.select(sa.func.min(tasks.c.created_at)).where(
-            tasks.c.run_id == run_id, tasks.c.round == round, tasks.c.name == name
-        )
-        is_open = t.c.state == TaskState.OPEN.value
-
-        def count(condition: sa.ColumnElement[bool]) -> sa.ColumnElement[int]:
-            return sa.func.coalesce(sa.func.sum(sa.case((condition, 1), else_=0)), 0)
-
-        query = sa.select(
-            sa.func.count(),
-            count(t.c.created_at == first.scalar_subquery()),
-            count(is_open),
-            count(succeeded),
-            count(sa.and_(is_open, ~answered, ~sa.and_(lost, ~held))),
-            # A failed result counts as lost too: its slot is free for a replacement device.
-            count(sa.and_(is_open, lost, ~held, ~succeeded)),
-            sa.func.min(sa.case((is_open, t.c.deadline))),
-        ).where(*where)
+        params = {"run_id": run_id, "round": round, "name": name}
         async with self._db.read() as conn:
-            found = (await conn.execute(query)).one()
+            found = (await conn.execute(_ROUND_SUMMARY, params)).one()
         return RoundSummary(
             tasks=int(found[0]),
             first_wave=int(found[1]),
@@ -130,3 +104,41 @@ class RoundQueries(StoreCore):
             return len(closed)
 
         return await self._db.write(work)
+
+
+def _round_summary_statement() -> sa.Select[int, int, int, int, int, int, Any]:
+    """The round summary's query, built once with bind parameters (building it cost more than running
+    it: the workflow asks for a summary of a 10,000-task round twice a second)."""
+    t = tasks.alias("t")
+    answered = sa.exists().where(results.c.task_id == t.c.task_id, results.c.stale.is_(False))
+    succeeded = sa.exists().where(
+        results.c.task_id == t.c.task_id,
+        results.c.status == ResultStatus.SUCCEEDED.value,
+        results.c.accepted.is_(True),
+    )
+    held = sa.exists().where(assignments.c.task_id == t.c.task_id, assignments.c.state.in_(_HELD))
+    lost = sa.exists().where(assignments.c.task_id == t.c.task_id, assignments.c.state.in_(_LOST))
+    run_id = sa.bindparam("run_id", type_=tasks.c.run_id.type)
+    round_no = sa.bindparam("round", type_=tasks.c.round.type)
+    name = sa.bindparam("name", type_=tasks.c.name.type)
+    first = sa.select(sa.func.min(tasks.c.created_at)).where(
+        tasks.c.run_id == run_id, tasks.c.round == round_no, tasks.c.name == name
+    )
+    is_open = t.c.state == TaskState.OPEN.value
+
+    def count(condition: sa.ColumnElement[bool]) -> sa.ColumnElement[int]:
+        return sa.func.coalesce(sa.func.sum(sa.case((condition, 1), else_=0)), 0)
+
+    return sa.select(
+        sa.func.count(),
+        count(t.c.created_at == first.scalar_subquery()),
+        count(is_open),
+        count(succeeded),
+        count(sa.and_(is_open, ~answered, ~sa.and_(lost, ~held))),
+        # A failed result counts as lost too: its slot is free for a replacement device.
+        count(sa.and_(is_open, lost, ~held, ~succeeded)),
+        sa.func.min(sa.case((is_open, t.c.deadline))),
+    ).where(t.c.run_id == run_id, t.c.round == round_no, t.c.name == name)
+
+
+_ROUND_SUMMARY = _round_summary_statement()

@@ -23,9 +23,12 @@ class Progress:
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
+        #: How many times :meth:`poke` was called (a driver compares two readings: how much happened).
+        self.signals = 0
 
     def poke(self) -> None:
         """Signals progress."""
+        self.signals += 1
         self._event.set()
 
     async def wait(self, seconds: float) -> None:

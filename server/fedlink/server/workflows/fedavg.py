@@ -176,6 +176,8 @@ class FedAvg:
         self.params = params
         self._poll = poll_seconds
         self._min_check = min(min_check_seconds, poll_seconds)
+        #: The longest a round owing many results goes unread while progress signals come.
+        self._max_unread = max(min_check_seconds, poll_seconds)
 
     async def run(self, ctx: WorkflowContext) -> None:
         """Runs rounds from the run's last checkpoint to ``num_rounds``."""
@@ -258,6 +260,7 @@ class FedAvg:
         if fresh:
             await self._start_wave(ctx, round_no, name, payload_sha, None, devices, wave=0)
         while True:
+            seen = ctx.progress.signals
             summary = await ctx.store.round_summary(run_id=run_id, round=round_no, name=name)
             if summary.tasks == 0:
                 await self._start_wave(ctx, round_no, name, payload_sha, None, devices, wave=0)
@@ -276,7 +279,7 @@ class FedAvg:
                     if summary.succeeded >= needed:  # results only add up: no need to count again
                         return await self._succeeded(ctx, round_no, name)
                     continue
-                await self._pause(ctx, (deadline - now).total_seconds(), owing=summary.owing)
+                await self._pause(ctx, (deadline - now).total_seconds(), owing=summary.owing, seen=seen)
                 continue
             if summary.succeeded >= needed:
                 return await self._succeeded(ctx, round_no, name)
@@ -291,17 +294,29 @@ class FedAvg:
             view = await self._view(ctx, round_no, name)
             await self._start_wave(ctx, round_no, name, payload_sha, view, devices, wave=retries)
 
-    async def _pause(self, ctx: WorkflowContext, until_deadline: float, *, owing: int) -> None:
-        """Waits for progress, but checks the store at most every ``min_check_seconds``.
+    async def _pause(self, ctx: WorkflowContext, until_deadline: float, *, owing: int, seen: int) -> None:
+        """Waits until the round may have changed enough to be worth reading again.
 
         Results arrive one by one; waking on each would re-read the round per result. A round that
-        owes only a few results is checked at each signal, so its last result closes it at once.
+        owes only a few results is read again at each progress signal, so its last result closes it
+        at once. A round that owes more is read again once as many signals came (since ``seen``, the
+        count when it was last read) as it owes results — every recorded report and release signals
+        once, so its last result still closes it at once — or after the larger of ``poll_seconds`` and
+        ``min_check_seconds`` (a lease that runs out sends no signal), and never sooner than
+        ``min_check_seconds`` (at most ``poll_seconds``) after the last read.
         """
-        started = asyncio.get_running_loop().time()
-        await ctx.progress.wait(min(self._poll, max(0.0, until_deadline)))
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         if owing <= _EAGER_OWING:
+            await ctx.progress.wait(min(self._poll, max(0.0, until_deadline)))
             return
-        rest = self._min_check - (asyncio.get_running_loop().time() - started)
+        limit = min(self._max_unread, max(0.0, until_deadline))
+        while ctx.progress.signals - seen < owing:
+            left = limit - (loop.time() - started)
+            if left <= 0:
+                break
+            await ctx.progress.wait(left)
+        rest = self._min_check - (loop.time() - started)
         if rest > 0:
             await asyncio.sleep(min(rest, max(0.0, until_deadline)))
 
