@@ -27,7 +27,7 @@ import os
 import queue
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
@@ -85,25 +85,38 @@ class LocalConfig:
         Raises:
             InvalidArgument: an unknown key (the message lists the valid ones) or a bad value.
         """
-        raw = dict(config or {})
-        unknown = sorted(set(raw) - set(_LOCAL_KEYS))
-        if unknown:
-            raise InvalidArgument(
-                f"unknown backend_config key(s) for the local backend: {', '.join(unknown)}; "
-                f"valid: {', '.join(_LOCAL_KEYS)} (client_resources takes {', '.join(_CLIENT_KEYS)})"
-            )
+        raw, resources = split_backend_config(config, "local", _LOCAL_KEYS, _CLIENT_KEYS)
         num_cpus = _cpus("num_cpus", raw.get("num_cpus", os.cpu_count() or 1))
-        resources = raw.get("client_resources", {})
-        if not isinstance(resources, Mapping):
-            raise InvalidArgument(f"backend_config.client_resources must be a mapping, not {resources!r}")
-        unknown = sorted(set(resources) - set(_CLIENT_KEYS))
-        if unknown:
-            raise InvalidArgument(
-                "unknown backend_config.client_resources key(s) for the local backend: "
-                f"{', '.join(unknown)}; valid: {', '.join(_CLIENT_KEYS)}"
-            )
         client = _cpus("client_resources.num_cpus", resources.get("num_cpus", 1))
         return cls(num_cpus=num_cpus, client_num_cpus=client)
+
+
+def split_backend_config(
+    config: Mapping[str, object] | None, backend: str, keys: Sequence[str], client_keys: Sequence[str]
+) -> tuple[dict[str, object], Mapping[str, object]]:
+    """A ``backend_config`` and its ``client_resources``, after refusing keys the backend does not know.
+
+    Raises:
+        InvalidArgument: an unknown key (the message lists the valid ones), or client_resources is
+            not a mapping.
+    """
+    raw = dict(config or {})
+    unknown = sorted(set(raw) - set(keys))
+    if unknown:
+        raise InvalidArgument(
+            f"unknown backend_config key(s) for the {backend} backend: {', '.join(unknown)}; "
+            f"valid: {', '.join(keys)} (client_resources takes {', '.join(client_keys)})"
+        )
+    resources = raw.get("client_resources", {})
+    if not isinstance(resources, Mapping):
+        raise InvalidArgument(f"backend_config.client_resources must be a mapping, not {resources!r}")
+    unknown = sorted(set(resources) - set(client_keys))
+    if unknown:
+        raise InvalidArgument(
+            f"unknown backend_config.client_resources key(s) for the {backend} backend: "
+            f"{', '.join(unknown)}; valid: {', '.join(client_keys)}"
+        )
+    return raw, resources
 
 
 def _cpus(key: str, value: object) -> float:

@@ -46,7 +46,7 @@ from fedlink.runner.config import JobConfig, ResolverRegistry, process_job_data
 from fedlink.runner.context import Signal
 from fedlink.runner.loop import TaskWork, TaskWorker, execute_task, job_context
 from fedlink.runner.spec import DataSource, Filter
-from fedlink.simulation.backends import ExecutorPool, _cpus
+from fedlink.simulation.backends import ExecutorPool, _cpus, split_backend_config
 
 __all__ = ["RayConfig", "RayPool", "RayWorker"]
 
@@ -83,13 +83,7 @@ class RayConfig:
         Raises:
             InvalidArgument: an unknown key (the message lists the valid ones) or a bad value.
         """
-        raw = dict(config or {})
-        unknown = sorted(set(raw) - set(_KEYS))
-        if unknown:
-            raise InvalidArgument(
-                f"unknown backend_config key(s) for the ray backend: {', '.join(unknown)}; "
-                f"valid: {', '.join(_KEYS)} (client_resources takes {', '.join(_CLIENT_KEYS)})"
-            )
+        raw, resources = split_backend_config(config, "ray", _KEYS, _CLIENT_KEYS)
         address = raw.get("address")
         if address is not None and (not isinstance(address, str) or not address):
             raise InvalidArgument(
@@ -100,15 +94,6 @@ class RayConfig:
             if address is not None:
                 raise InvalidArgument("backend_config.num_cpus sizes a local Ray instance: not with address")
             num_cpus = _count("num_cpus", num_cpus)
-        resources = raw.get("client_resources", {})
-        if not isinstance(resources, Mapping):
-            raise InvalidArgument(f"backend_config.client_resources must be a mapping, not {resources!r}")
-        unknown = sorted(set(resources) - set(_CLIENT_KEYS))
-        if unknown:
-            raise InvalidArgument(
-                "unknown backend_config.client_resources key(s) for the ray backend: "
-                f"{', '.join(unknown)}; valid: {', '.join(_CLIENT_KEYS)}"
-            )
         gpus = resources.get("num_gpus", 0)
         if isinstance(gpus, bool) or not isinstance(gpus, int | float) or not math.isfinite(gpus) or gpus < 0:
             raise InvalidArgument(f"backend_config.client_resources.num_gpus must be >= 0, not {gpus!r}")
