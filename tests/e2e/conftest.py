@@ -5,15 +5,29 @@ from __future__ import annotations
 import hashlib
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 
+from fedlink.server.settings import CoordinatorSettings
 from fedlink.v1 import control_service_pb2 as cpb
 from fedlink.v1 import control_service_pb2_grpc as cgrpc
 from fedlink.v1 import dxo_pb2, states_pb2
 from fedlink.v1 import runner_service_pb2 as rpb
 from fedlink.v1 import runner_service_pb2_grpc as rgrpc
+
+
+def local_settings(tmp_path: Path, **overrides: Any) -> CoordinatorSettings:
+    """Settings for a test's coordinator: data in ``tmp_path``, any loopback port, no TLS, open enrolment."""
+    defaults: dict[str, Any] = {
+        "data_dir": tmp_path / "data",
+        "listen_address": "127.0.0.1:0",
+        "insecure": True,
+        "open_enrolment": True,
+    }
+    return CoordinatorSettings(**(defaults | overrides))
 
 
 def dense(array: np.ndarray) -> dxo_pb2.Tensor:

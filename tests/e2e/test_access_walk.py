@@ -21,7 +21,6 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
 from fedlink.server.app import Coordinator
-from fedlink.server.settings import CoordinatorSettings
 from fedlink.server.store import SqlStateStore
 from fedlink.server.store.schema import metadata as schema_metadata
 from fedlink.v1 import control_service_pb2 as cpb
@@ -29,7 +28,7 @@ from fedlink.v1 import control_service_pb2_grpc as cgrpc
 from fedlink.v1 import dxo_pb2, runner_service_pb2, states_pb2
 from fedlink.v1 import runner_service_pb2 as rpb
 
-from .conftest import Metadata, StubDevice, dense, upload_model, weights_dxo
+from .conftest import Metadata, StubDevice, dense, local_settings, upload_model, weights_dxo
 
 RUNNER = runner_service_pb2.DESCRIPTOR.services_by_name["RunnerService"]
 CONTROL = cpb.DESCRIPTOR.services_by_name["ControlService"]
@@ -153,13 +152,7 @@ async def _take_task(device: StubDevice, job_id: str) -> Held:
 
 @pytest.fixture
 async def world(tmp_path: Path) -> AsyncIterator[World]:
-    settings = CoordinatorSettings(
-        data_dir=tmp_path / "data",
-        listen_address="127.0.0.1:0",
-        insecure=True,
-        open_enrolment=False,
-        join_secret=JOIN_SECRET,
-    )
+    settings = local_settings(tmp_path, open_enrolment=False, join_secret=JOIN_SECRET)
     async with Coordinator(settings) as coordinator:
         assert coordinator.endpoint is not None
         admin = _bearer(coordinator.admin_token)

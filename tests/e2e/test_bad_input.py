@@ -19,14 +19,22 @@ import pytest
 
 from fedlink.server.app import Coordinator
 from fedlink.server.domain import AssignmentState
-from fedlink.server.settings import CoordinatorSettings
 from fedlink.server.store import SqlStateStore
 from fedlink.v1 import control_service_pb2 as cpb
 from fedlink.v1 import control_service_pb2_grpc as cgrpc
 from fedlink.v1 import dxo_pb2, runner_service_pb2, states_pb2
 from fedlink.v1 import runner_service_pb2 as rpb
 
-from .conftest import Metadata, StubDevice, dense, download_model, read_tensor, upload_model, weights_dxo
+from .conftest import (
+    Metadata,
+    StubDevice,
+    dense,
+    download_model,
+    local_settings,
+    read_tensor,
+    upload_model,
+    weights_dxo,
+)
 
 RUNNER = runner_service_pb2.DESCRIPTOR.services_by_name["RunnerService"]
 CONTROL = cpb.DESCRIPTOR.services_by_name["ControlService"]
@@ -106,11 +114,8 @@ async def open_round(
     tmp_path: Path, *, num_rounds: int = 1, round_timeout_s: int = 60, **settings: Any
 ) -> AsyncIterator[Round]:
     """A coordinator whose job sampled A, B and M; needs 2 results to close a round."""
-    config = CoordinatorSettings(
-        data_dir=tmp_path / "data",
-        listen_address="127.0.0.1:0",
-        insecure=True,
-        open_enrolment=True,
+    config = local_settings(
+        tmp_path,
         max_message_bytes=MAX_MESSAGE_BYTES,
         inline_payload_bytes=MAX_MESSAGE_BYTES // 4,
         **settings,
@@ -523,10 +528,7 @@ async def test_a_cookie_of_an_expired_assignment_is_stale(tmp_path: Path) -> Non
 async def test_an_incompatible_protocol_version_says_what_to_upgrade(
     tmp_path: Path, rpc: str, version: str, code: grpc.StatusCode, says: str
 ) -> None:
-    settings = CoordinatorSettings(
-        data_dir=tmp_path / "data", listen_address="127.0.0.1:0", insecure=True, open_enrolment=True
-    )
-    async with Coordinator(settings) as coordinator:
+    async with Coordinator(local_settings(tmp_path)) as coordinator:
         assert coordinator.endpoint is not None
         async with grpc.aio.insecure_channel(coordinator.endpoint.address) as channel:
             device = await StubDevice(channel).enroll()
@@ -553,10 +555,7 @@ class Operator:
 
 @pytest.fixture
 async def operator(tmp_path: Path) -> AsyncIterator[Operator]:
-    settings = CoordinatorSettings(
-        data_dir=tmp_path / "data", listen_address="127.0.0.1:0", insecure=True, open_enrolment=True
-    )
-    async with Coordinator(settings) as coordinator:
+    async with Coordinator(local_settings(tmp_path)) as coordinator:
         assert coordinator.endpoint is not None
         admin = (("authorization", f"Bearer {coordinator.admin_token}"),)
         async with grpc.aio.insecure_channel(coordinator.endpoint.address) as channel:

@@ -11,24 +11,25 @@ import numpy as np
 import pytest
 
 from fedlink.server.app import Coordinator
-from fedlink.server.settings import CoordinatorSettings
 from fedlink.v1 import control_service_pb2 as cpb
 from fedlink.v1 import control_service_pb2_grpc as cgrpc
 from fedlink.v1 import dxo_pb2, states_pb2
 from fedlink.v1 import runner_service_pb2 as rpb
 
-from .conftest import StubDevice, dense, download_model, read_tensor, upload_model, weights_dxo
+from .conftest import (
+    StubDevice,
+    dense,
+    download_model,
+    local_settings,
+    read_tensor,
+    upload_model,
+    weights_dxo,
+)
 
 
 @pytest.fixture
 async def coordinator(tmp_path: Path) -> AsyncIterator[Coordinator]:
-    settings = CoordinatorSettings(
-        data_dir=tmp_path / "data",
-        listen_address="127.0.0.1:0",
-        insecure=True,
-        open_enrolment=True,
-    )
-    async with Coordinator(settings) as c:
+    async with Coordinator(local_settings(tmp_path)) as c:
         yield c
 
 

@@ -14,25 +14,17 @@ import pytest
 
 from fedlink.server.app import Coordinator
 from fedlink.server.services.metrics import MetricsCollector
-from fedlink.server.settings import CoordinatorSettings
 from fedlink.v1 import control_service_pb2 as cpb
 from fedlink.v1 import control_service_pb2_grpc as cgrpc
 from fedlink.v1 import dxo_pb2
 from fedlink.v1 import runner_service_pb2 as rpb
 
-from .conftest import StubDevice, dense, upload_model, weights_dxo
+from .conftest import StubDevice, dense, local_settings, upload_model, weights_dxo
 
 
 @pytest.fixture
 async def coordinator(tmp_path: Path) -> AsyncIterator[Coordinator]:
-    settings = CoordinatorSettings(
-        data_dir=tmp_path / "data",
-        listen_address="127.0.0.1:0",
-        insecure=True,
-        open_enrolment=True,
-        metrics_address="127.0.0.1:0",
-    )
-    async with Coordinator(settings) as c:
+    async with Coordinator(local_settings(tmp_path, metrics_address="127.0.0.1:0")) as c:
         yield c
 
 
