@@ -149,3 +149,12 @@ async def test_upload_fsyncs_its_file_once_at_commit(
         assert sorted(synced) == ["dir"] * 3 + ["file"] * 3
     else:
         assert synced == []  # SQLite commits are not fsynced either (synchronous=NORMAL)
+
+
+async def test_put_many_with_the_callers_hashes_stores_the_same_blobs(dir_store: SqlStateStore) -> None:
+    datas = [b"hashed by the caller", LARGE]
+    shas = [hashlib.sha256(d).hexdigest() for d in datas]
+    refs = await dir_store.blobs.put_many(datas, sha256s=shas)
+    assert [r.sha256 for r in refs] == shas
+    assert [r.size_bytes for r in refs] == [len(d) for d in datas]
+    assert [await dir_store.blobs.read(sha) for sha in shas] == datas

@@ -533,9 +533,12 @@ class DeviceProtocol:
         return report.blob_sha256, None
 
     async def _report_batch(self, staged: Sequence[_StagedReport]) -> list[RecordOutcome | BaseException]:
-        payloads = [item.inline for item in staged if item.inline is not None]
-        if payloads:
-            await self._store.blobs.put_many(payloads)
+        # Inline payloads were hashed when staged (payload_sha256): put_many need not hash them again.
+        inline = [(item.report.payload_sha256, item.inline) for item in staged if item.inline is not None]
+        if inline:
+            await self._store.blobs.put_many(
+                [data for _, data in inline], sha256s=[sha for sha, _ in inline if sha is not None]
+            )
         return list(await self._store.record_results([item.report for item in staged], self._clock.now()))
 
     # ---- leases ----

@@ -141,15 +141,20 @@ class SqlBlobStore:
         await self._db.write(work)
         return await self._publish(key, sha256, len(data))
 
-    async def put_many(self, datas: Sequence[bytes]) -> list[BlobRef]:
+    async def put_many(
+        self, datas: Sequence[bytes], *, sha256s: Sequence[str] | None = None
+    ) -> list[BlobRef]:
         """Store many small byte strings (once per content) with one transaction; refs in order.
 
         For the hot path of results: a batch of reports costs one write transaction for all of
         their payloads (one set-based INSERT of the blob rows, one of the bytes kept as rows), not
         several per payload. Bytes the backend keeps outside the database are written (and made
-        durable) before that transaction.
+        durable) before that transaction. ``sha256s``: the hashes of ``datas``, when the caller computed
+        them already (the device protocol does, to validate and identify a report).
         """
-        refs = [BlobRef(sha256=hashlib.sha256(d).hexdigest(), size_bytes=len(d)) for d in datas]
+        if sha256s is None:
+            sha256s = [hashlib.sha256(d).hexdigest() for d in datas]
+        refs = [BlobRef(sha256=sha, size_bytes=len(d)) for sha, d in zip(sha256s, datas, strict=True)]
         wanted = {ref.sha256: data for ref, data in zip(refs, datas, strict=True)}
         if not wanted:
             return refs

@@ -168,8 +168,13 @@ class BlobStore(Protocol):
         """Store ``data`` (once per content) and return its reference."""
         ...
 
-    async def put_many(self, datas: Sequence[bytes]) -> list[BlobRef]:
-        """Store many small byte strings (once per content) in one transaction; refs in order."""
+    async def put_many(
+        self, datas: Sequence[bytes], *, sha256s: Sequence[str] | None = None
+    ) -> list[BlobRef]:
+        """Store many small byte strings (once per content) in one transaction; refs in order.
+
+        ``sha256s``, when the caller hashed the bytes already, are their hashes (not computed again).
+        """
         ...
 
     async def put_stream(self, chunks: AsyncIterator[bytes]) -> BlobRef:
