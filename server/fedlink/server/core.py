@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
+from fedlink.common.dxo import DXO
 from fedlink.server.domain import Clock, SystemClock, Task
 from fedlink.server.protocol.control import ControlProtocol
 from fedlink.server.protocol.cookies import CookieSigner
@@ -38,6 +39,15 @@ class _PokeSupervisor(ResultListener):
 
     def result_recorded(self, job_id: str, task: Task) -> None:
         self._supervisor.poke(job_id)
+
+    def reserve(self, job_id: str, task: Task, request_id: str, update: DXO) -> bool:
+        fold = self._supervisor.fold(job_id)
+        return fold is not None and fold.reserve(task.task_id, request_id, update)
+
+    def settle(self, job_id: str, task: Task, request_id: str, *, accepted: bool) -> None:
+        fold = self._supervisor.fold(job_id)
+        if fold is not None:
+            fold.settle(task.task_id, request_id, accepted=accepted)
 
 
 def coordinator_id(data_dir: Path) -> str:
@@ -76,6 +86,7 @@ class CoordinatorCore:
         supervisor_poll_seconds: float = 1.0,
         round_check_seconds: float | None = None,
         on_result_outcome: Callable[[str], None] | None = None,
+        keep_folded_payloads: bool = True,
     ) -> None:
         self.settings = settings
         self.clock: Clock = clock or SystemClock()
@@ -83,6 +94,7 @@ class CoordinatorCore:
         self._poll = supervisor_poll_seconds
         self._round_check = round_check_seconds
         self._on_result_outcome = on_result_outcome
+        self._keep_folded_payloads = keep_folded_payloads
         self._tasks: list[asyncio.Task[None]] = []
         self._store: SqlStateStore | None = None
         self._device: DeviceProtocol | None = None
@@ -157,6 +169,7 @@ class CoordinatorCore:
                 inline_payload_bytes=s.inline_payload_bytes,
                 max_result_bytes=MAX_MODEL_BYTES,
                 join_secret=self._join_secret,
+                keep_folded_payloads=self._keep_folded_payloads,
             ),
             listener=_PokeSupervisor(supervisor),
             on_outcome=self._on_result_outcome,

@@ -248,7 +248,10 @@ async def simulate(plan: Plan, pool: ExecutorPool) -> SimulationResult:
                     return await _run(plan, coordinator.core, pool, errors, started, wire)
             checks = round_check_seconds(plan.num_devices)
             async with CoordinatorCore(
-                _settings(plan, workdir), supervisor_poll_seconds=0.05, round_check_seconds=checks
+                _settings(plan, workdir),
+                supervisor_poll_seconds=0.05,
+                round_check_seconds=checks,
+                keep_folded_payloads=plan.store != ":memory:",  # a throwaway store keeps metadata
             ) as core:
                 return await _run(plan, core, pool, errors, started, None)
     finally:

@@ -5,9 +5,14 @@ stored DXO bytes, decoded **once per model** (not once per device) and shared by
 round. Sharing is safe because the arrays are read-only (an executor that writes to one gets
 numpy's ``ValueError``, which fails its task loudly instead of corrupting its neighbours') and each
 device gets its own ``DXO`` container (``data`` and ``meta`` dicts), so setting meta or replacing an
-array touches only that device's copy. Results go up as the serialized DXO, as over gRPC, which the
-protocol stores as blobs; it validates the DXO object itself (``ResultInput.decoded``) rather than
-decoding those bytes again.
+array touches only that device's copy. Results go up as the DXO object (``ResultInput.decoded``):
+the protocol validates it as it is, and serializes it only if the coordinator stores its payload (the
+run's driver folds results in-process when it can, and the simulation's throwaway store then keeps
+their metadata only).
+
+In-flight slots go to waiting devices lowest index first (:class:`OrderedSlots`): results then arrive
+roughly in the order the workflow aggregates them (by device id), so its fold can take each at once
+instead of holding many that wait for an earlier one.
 
 Per-device state is a few fields, so ten thousand devices fit easily: the shared parts (the core, the
 model cache, the counters) live in one :class:`DeviceHub`.
@@ -16,6 +21,8 @@ model cache, the counters) live in one :class:`DeviceHub`.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import secrets
 import time
 import uuid
@@ -44,6 +51,9 @@ __all__ = ["DEFAULT_IN_FLIGHT", "DeviceHub", "InProcessTransport", "LiveCounts"]
 _MODEL_CACHE = 4
 #: Devices enrolled per store transaction.
 _ENROL_BATCH = 2_000
+#: How long a device keeps its in-flight slot after its report while the fold of its result does not
+#: move (it waits for an earlier device's result): then it lets go, so that device can get a slot.
+_FOLD_PATIENCE_S = 0.25
 #: Results in flight when the hub is not told (the simulation sizes it from the model: see engine.py).
 DEFAULT_IN_FLIGHT = 256
 
@@ -61,6 +71,38 @@ class LiveCounts:
     dropped: int = 0
     #: ``(device index, round)`` of every drop-out, in the order they happened.
     drops: list[tuple[int, int]] = field(default_factory=list)
+
+
+class OrderedSlots:
+    """A semaphore whose waiters are served lowest ``priority`` first (FIFO among equals)."""
+
+    def __init__(self, value: int) -> None:
+        self._free = value
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._seq = itertools.count()
+
+    async def acquire(self, priority: int) -> None:
+        """Takes a slot, waiting behind every waiter of a lower priority value."""
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (priority, next(self._seq), future))
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self.release()  # granted as it was cancelled: pass the slot on
+            raise
+
+    def release(self) -> None:
+        """Gives a slot back, to the first waiter still waiting."""
+        while self._waiters:
+            _, _, future = heapq.heappop(self._waiters)
+            if not future.done():
+                future.set_result(None)
+                return
+        self._free += 1
 
 
 class DeviceHub:
@@ -83,7 +125,7 @@ class DeviceHub:
         self.max_in_flight = max_in_flight
         #: Results in flight: a device holds a slot from the start of its task's work until the
         #: coordinator answered its report (see :class:`InProcessTransport`).
-        self.slots = asyncio.Semaphore(max_in_flight)
+        self.slots = OrderedSlots(max_in_flight)
         self._models: OrderedDict[str, asyncio.Future[DXO]] = OrderedDict()
 
     async def model(self, sha256: str, inline: bytes | None) -> DXO:
@@ -210,7 +252,7 @@ class InProcessTransport(Transport):
 
     async def _hold(self) -> None:
         if not self._holding:
-            await self._hub.slots.acquire()
+            await self._hub.slots.acquire(self.index)
             self._holding = True
 
     def _let_go(self) -> None:
@@ -275,7 +317,7 @@ class InProcessTransport(Transport):
             return _offer(reply, data)
 
     async def report_result(self, report: ResultReport) -> Ack:
-        """ReportResult, in-process: the result DXO goes as its serialized bytes, as over gRPC.
+        """ReportResult, in-process: the result DXO goes as it is (see ``ResultInput.decoded``).
 
         The device keeps its in-flight slot from its work to the coordinator's answer, except while
         it waits out its simulated slowdown or link delay (a slow device must not hold up others).
@@ -297,12 +339,18 @@ class InProcessTransport(Transport):
                 task_id=report.task_id,
                 cookie=report.cookie,
                 status=ResultStatus.SUCCEEDED if result is not None else ResultStatus.FAILED,
-                inline=result.to_bytes() if result is not None else None,
                 error_message=report.error_message,
                 request_id=report.request_id or uuid.uuid4().hex,
-                decoded=result,  # validated as it is: decoding its bytes again would give it back
+                # Validated as it is, and serialized only if the coordinator stores it: the run's
+                # driver folds it in-process when it can (then the throwaway store keeps its metadata).
+                decoded=result,
             )
             reply = await self._hub.core.device_protocol.report_result(self._seen(), request)
+            fold = self._hub.core.supervisor.fold(report.job_id) if result is not None else None
+            if fold is not None and reply.status is DeviceStatus.OK:
+                # The slot is kept until the run's driver folded this result (or its fold stalls):
+                # results are made no faster than they are folded, so none has to be stored instead.
+                await fold.folded(report.task_id, patience=_FOLD_PATIENCE_S)
         finally:
             self._set_busy(False)
             self._let_go()

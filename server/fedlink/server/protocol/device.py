@@ -80,6 +80,10 @@ class DeviceProtocolConfig:
     max_result_bytes: int = 2 * 1024**3
     #: The join secret enrolment needs; None means open enrolment.
     join_secret: str | None = None
+    #: Whether to store the payload of a result the run's driver holds to fold in-process (see
+    #: :mod:`fedlink.server.workflows.folding`). Only a store thrown away after the run (the
+    #: simulation's) may say False: the result row then keeps its metadata only.
+    keep_folded_payloads: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -129,14 +133,15 @@ class ResultInput:
     task_id: str
     cookie: bytes
     status: ResultStatus
-    #: The serialized ``Dxo`` when sent inline (SUCCEEDED only).
+    #: The serialized ``Dxo`` when sent inline (SUCCEEDED only; in-process callers may give only
+    #: ``decoded``, serialized here if it must be stored).
     inline: bytes | None = None
     #: The blob holding the serialized ``Dxo`` when uploaded (SUCCEEDED only).
     blob_sha256: str | None = None
     error_message: str = ""
     request_id: str = ""
-    #: In-process callers only (the simulation): ``inline`` decoded already, validated as it is
-    #: instead of being decoded again. It must be exactly what ``inline`` decodes to.
+    #: In-process callers only (the simulation): the result DXO, validated as it is instead of being
+    #: decoded again. With ``inline`` it must be exactly what ``inline`` decodes to.
     decoded: DXO | None = None
 
 
@@ -170,6 +175,14 @@ class ResultListener:
 
     def result_recorded(self, job_id: str, task: Task) -> None:
         """Called after a report for ``task`` was stored (accepted or failed)."""
+
+    def reserve(self, job_id: str, task: Task, request_id: str, update: DXO) -> bool:
+        """Offers the validated update of a report about to be recorded to the run's driver, to fold
+        in-process; True if it holds it (:meth:`settle` follows once the report is recorded)."""
+        return False
+
+    def settle(self, job_id: str, task: Task, request_id: str, *, accepted: bool) -> None:
+        """Says whether a report :meth:`reserve` was offered counts (recorded and accepted)."""
 
 
 def check_protocol_version(version: str) -> None:
@@ -462,13 +475,25 @@ class DeviceProtocol:
         if report.status is ResultStatus.SUCCEEDED and report.inline is None and report.blob_sha256:
             await require_held(self._store, device.device_id, report.blob_sha256)  # proof of possession
         try:
-            payload_sha, inline = await self._stage_payload(task, report)
+            update = await self._checked_update(task, report)
         except InvalidArgument:
             self._on_outcome("rejected")
             raise
-        # Identifies the report's content, so a retry without its request_id is still "the same".
+        # The run's driver may hold the update to fold it now (it needs the report's request id to
+        # match it with the stored result); a throwaway store then need not keep its payload.
+        held = (
+            update is not None
+            and bool(report.request_id)
+            and self._listener.reserve(report.job_id, task, report.request_id, update)
+        )
+        payload_sha, inline = None, None
+        if update is not None and (self._config.keep_folded_payloads or not held):
+            payload_sha, inline = self._payload_to_store(report, update)
+        # Identifies the report's content, so a retry without its request_id is still "the same". A
+        # payload that is not stored is identified by the report's request id.
+        content = payload_sha if payload_sha is not None or update is None else f"request:{report.request_id}"
         digest = hashlib.sha256(
-            json.dumps([report.status.value, payload_sha, report.error_message]).encode()
+            json.dumps([report.status.value, content, report.error_message]).encode()
         ).hexdigest()
         outcome = await self._reports.submit(
             _StagedReport(
@@ -484,6 +509,9 @@ class DeviceProtocol:
                 inline,
             )
         )
+        if held:
+            accepted = outcome.outcome is ReportOutcome.ACCEPTED and not outcome.duplicate
+            self._listener.settle(report.job_id, task, report.request_id, accepted=accepted)
         next_cookie = self._signer.sign(Cookie(device_id=device.device_id, job_id=report.job_id))
         if not outcome.duplicate:
             stale = outcome.outcome is ReportOutcome.STALE
@@ -499,18 +527,18 @@ class DeviceProtocol:
                 self._notifier.notify(report.job_id)  # the freed slot may go to another device
         return ReportReply(status=DeviceStatus.OK, cookie=next_cookie)
 
-    async def _stage_payload(self, task: Task, report: ResultInput) -> tuple[str | None, bytes | None]:
-        """Checks the result's payload and stores it as a blob; returns its sha256."""
+    async def _checked_update(self, task: Task, report: ResultInput) -> DXO | None:
+        """Checks the result's payload (size, then as an update of the task's model); None for a failure."""
         if report.status is ResultStatus.FAILED:
-            return None, None
+            return None
         if report.status is not ResultStatus.SUCCEEDED:
             raise InvalidArgument("status must be SUCCEEDED or FAILED")
-        if report.inline is not None:
+        limit = self._config.max_result_bytes
+        if report.decoded is not None:
             data = report.inline
-            if len(data) > self._config.max_result_bytes:
-                raise ResourceExhausted(
-                    f"the result is {len(data)} bytes, over the limit of {self._config.max_result_bytes}"
-                )
+            size = len(data) if data is not None else sum(int(a.nbytes) for a in report.decoded.data.values())
+        elif report.inline is not None:
+            data, size = report.inline, len(report.inline)
         elif report.blob_sha256:
             try:
                 blob = await self._store.blobs.stat(report.blob_sha256)
@@ -518,19 +546,28 @@ class DeviceProtocol:
                 raise NotFound(
                     f"result blob {report.blob_sha256} was not uploaded (or not completed)"
                 ) from None
-            limit = self._config.max_result_bytes
-            if blob.size_bytes > limit:
-                raise ResourceExhausted(f"the result is {blob.size_bytes} bytes, over the limit of {limit}")
-            data = await self._store.blobs.read(report.blob_sha256)
+            data, size = None, blob.size_bytes
         else:
             raise InvalidArgument("a SUCCEEDED report needs a result (inline DXO or blob)")
-        decoded = report.decoded if report.inline is not None else None
-        dxo = decoded if decoded is not None else DXO.from_bytes(data)
-        await self._validator.validate(task, dxo)
-        if report.inline is not None:
-            # Stored with the report's batch (one transaction for a batch's payloads).
-            return hashlib.sha256(data).hexdigest(), data
-        return report.blob_sha256, None
+        if size > limit:
+            raise ResourceExhausted(f"the result is {size} bytes, over the limit of {limit}")
+        if report.decoded is not None:
+            update = report.decoded
+        else:
+            if data is None:
+                data = await self._store.blobs.read(report.blob_sha256 or "")
+            update = DXO.from_bytes(data)
+        await self._validator.validate(task, update)
+        return update
+
+    @staticmethod
+    def _payload_to_store(report: ResultInput, update: DXO) -> tuple[str, bytes | None]:
+        """The stored payload's sha256 and, unless it is an uploaded blob, the bytes to store with the
+        report's batch (one transaction for a batch's payloads)."""
+        if report.blob_sha256 and report.inline is None and report.decoded is None:
+            return report.blob_sha256, None
+        data = report.inline if report.inline is not None else update.to_bytes()
+        return hashlib.sha256(data).hexdigest(), data
 
     async def _report_batch(self, staged: Sequence[_StagedReport]) -> list[RecordOutcome | BaseException]:
         # Inline payloads were hashed when staged (payload_sha256): put_many need not hash them again.

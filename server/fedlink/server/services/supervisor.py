@@ -18,6 +18,7 @@ from fedlink.server.protocol.notify import TaskNotifier
 from fedlink.server.store import StateStore, all_items
 from fedlink.server.workflows.base import Progress, WorkflowContext, workflow_name
 from fedlink.server.workflows.fedavg import FedAvg, FedAvgParams
+from fedlink.server.workflows.folding import RoundFold
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,11 @@ class JobSupervisor:
         if progress is not None:
             progress.poke()
         self._wake.set()
+
+    def fold(self, job_id: str) -> RoundFold | None:
+        """The in-process fold of the job's open round, if this coordinator drives it."""
+        progress = self._progress.get(job_id)
+        return None if progress is None else progress.fold
 
     async def serve(self) -> None:
         """Scans for live jobs and keeps their drivers running until cancelled."""

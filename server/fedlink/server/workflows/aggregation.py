@@ -73,11 +73,16 @@ class WeightedAverage:
         self._scratch: dict[tuple[int, ...], NDArray[np.float64]] = {}
         self.count = 0
 
-    def add(self, update: Mapping[str, NDArray[np.generic]], weight: float) -> None:
-        """Folds one update in with aggregation weight ``weight`` (> 0)."""
+    def add(self, update: Mapping[str, NDArray[np.generic]], weight: float, *, checked: bool = False) -> None:
+        """Folds one update in with aggregation weight ``weight`` (> 0).
+
+        ``checked`` says the update passed :func:`check_update` against this spec already (every
+        recorded result did, when it was reported): it is not checked again.
+        """
         if not (weight > 0 and np.isfinite(weight)):
             raise InvalidArgument(f"aggregation weight must be a positive finite number, got {weight}")
-        check_update(update, self._spec)
+        if not checked:
+            check_update(update, self._spec)
         for name, array in update.items():
             total = self._sums.get(name)
             if total is None:

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from fedlink.server.domain import Clock, Job, Run
 from fedlink.server.protocol.notify import TaskNotifier
 from fedlink.server.store import StateStore
+from fedlink.server.workflows.folding import RoundFold
 
 
 class Progress:
@@ -25,6 +26,8 @@ class Progress:
         self._event = asyncio.Event()
         #: How many times :meth:`poke` was called (a driver compares two readings: how much happened).
         self.signals = 0
+        #: The open round's in-process fold, which the report path hands accepted updates to.
+        self.fold: RoundFold | None = None
 
     def poke(self) -> None:
         """Signals progress."""

@@ -7,10 +7,12 @@ that device's part, and a replacement is sampled from the devices not yet asked.
 state lives in the store (tasks, assignments, results), so a restarted coordinator resumes it as it
 was: acknowledged results count once, and no device is asked to redo a task it reported.
 
-Aggregation folds the round's accepted results one at a time in device-id order (the store's
-canonical order) into float64 accumulators; small result blobs are read in bulk, a batch of a few
-megabytes per query, the next batch while this one is folded: memory grows with the model and the
-batch, not with the results, and the same results give the same bits.
+Aggregation folds the round's accepted results one at a time, in the canonical order (their tasks'
+hand-out order, then device id), into float64 accumulators: memory grows with the model, not with the
+results, and the same results give the same bits. The fold starts while the round is open, from the
+updates the report path hands over in-process (:mod:`fedlink.server.workflows.folding`); what it could
+not fold yet is read from the store at the close, small result blobs in bulk, a batch of a few
+megabytes per query, the next batch while this one is folded.
 """
 
 from __future__ import annotations
@@ -19,10 +21,9 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
-from typing import Any
 
 import numpy as np
 
@@ -40,8 +41,9 @@ from fedlink.server.domain import (
 from fedlink.server.protocol.device import selector_matches
 from fedlink.server.protocol.results import EVALUATE_TASK, TRAIN_TASK
 from fedlink.server.store import NewTask, all_items
-from fedlink.server.workflows.aggregation import WeightedAverage, apply_average, model_spec
+from fedlink.server.workflows.aggregation import apply_average
 from fedlink.server.workflows.base import WorkflowContext
+from fedlink.server.workflows.folding import MetricAverage, RoundFold, canonical_order
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,8 @@ log = logging.getLogger(__name__)
 #: the last result then closes the round at once, for a bounded number of extra store reads.
 _EAGER_OWING = 8
 _LOST = frozenset({AssignmentState.EXPIRED, AssignmentState.RELEASED, AssignmentState.FAILED})
+#: Updates a round's in-process fold may hold before their turn comes (see RoundFold).
+_FOLD_AHEAD_BYTES = 256 * 1024**2
 
 
 class RoundFailed(FailedPrecondition):
@@ -191,9 +195,21 @@ class FedAvg:
 
     # ---- one round ----
     async def _round(self, ctx: WorkflowContext, round_no: int, model_sha: str, *, fresh: bool) -> str:
-        train = await self._collect(ctx, round_no, TRAIN_TASK, model_sha, fresh=fresh)
         global_model = DXO.from_bytes(await ctx.store.blobs.read(model_sha))
-        new_model, train_metrics = await self._aggregate(ctx, global_model, train, round_no)
+        fold = RoundFold(global_model.data, budget_bytes=_FOLD_AHEAD_BYTES)
+        ctx.progress.fold = fold
+        try:
+            train = await self._collect(ctx, round_no, TRAIN_TASK, model_sha, fresh=fresh)
+            await fold.finish(train, ctx.store.blobs.read_each)
+        finally:
+            ctx.progress.fold = None
+        new_model = DXO(
+            kind=DataKind.WEIGHTS,
+            data=dict(apply_average(global_model.data, fold.average, is_diff=True)),
+            # The version a trainer sees next round: it seeds the shuffling, so rounds differ.
+            meta={MetaKey.MODEL_VERSION: round_no, "round_results": fold.average.count},
+        )
+        train_metrics = fold.metrics.result()
         new_ref = await ctx.store.blobs.put_bytes(new_model.to_bytes())
         metrics = dict(train_metrics)
         if self.params.evaluate:
@@ -211,15 +227,17 @@ class FedAvg:
         return new_ref.sha256
 
     async def _succeeded(self, ctx: WorkflowContext, round_no: int, name: str) -> list[Result]:
-        """The closed round's results to aggregate (as :meth:`_view` has them, without its other reads)."""
+        """The closed round's results to aggregate, in canonical order (as :meth:`_view` has them,
+        without its other reads)."""
         run_id = ctx.run.run_id
         all_tasks, all_results = await asyncio.gather(
             ctx.store.list_tasks(run_id, round=round_no),
             ctx.store.list_results(run_id=run_id, round=round_no, accepted_only=False),
         )
-        ids = {t.task_id for t in all_tasks if t.name == name}
-        by_task = {r.task_id: r for r in all_results if r.task_id in ids and not r.stale}
-        return [r for r in by_task.values() if r.status is ResultStatus.SUCCEEDED and r.accepted]
+        named = {t.task_id: t for t in all_tasks if t.name == name}
+        by_task = {r.task_id: r for r in all_results if r.task_id in named and not r.stale}
+        succeeded = [r for r in by_task.values() if r.status is ResultStatus.SUCCEEDED and r.accepted]
+        return canonical_order(succeeded, named)
 
     async def _view(self, ctx: WorkflowContext, round_no: int, name: str) -> _RoundView:
         # Independent reads go together: the round's close waits for two round trips, not four.
@@ -377,7 +395,7 @@ class FedAvg:
     ) -> None:
         if not devices:
             return
-        await ctx.store.create_tasks(
+        created = await ctx.store.create_tasks(
             [
                 NewTask(
                     job_id=ctx.job.job_id,
@@ -392,6 +410,8 @@ class FedAvg:
                 for device in devices
             ]
         )
+        if name == TRAIN_TASK and ctx.progress.fold is not None:
+            ctx.progress.fold.expect(created, devices)
         ctx.notifier.notify(ctx.job.job_id, devices)
 
     async def _replace_lost(
@@ -421,39 +441,13 @@ class FedAvg:
         await self._hand_out(ctx, round_no, name, payload_sha, chosen, deadline)
         return True
 
-    # ---- aggregation ----
-    async def _aggregate(
-        self, ctx: WorkflowContext, global_model: DXO, results: Sequence[Result], round_no: int
-    ) -> tuple[DXO, dict[str, float]]:
-        spec = model_spec(global_model.data)
-        average = WeightedAverage(spec)
-        metrics = _MetricAverage()
-        ordered = [r.payload_sha256 for r in sorted(results, key=lambda r: r.device_id) if r.payload_sha256]
-        async for payload in ctx.store.blobs.read_each(ordered):
-            update = DXO.from_bytes(payload)
-            weight = weight_of(update)
-            data = update.data
-            if update.kind is DataKind.WEIGHTS:  # as a difference, so WEIGHTS and WEIGHT_DIFF mix
-                data = {
-                    k: np.subtract(v, global_model.data[k], dtype=np.float64).astype(spec[k].dtype)
-                    for k, v in data.items()
-                }
-            average.add(data, weight)
-            metrics.add(update.meta, weight)
-        new = apply_average(global_model.data, average, is_diff=True)
-        return DXO(
-            kind=DataKind.WEIGHTS,
-            data=dict(new),
-            # The version a trainer sees next round: it seeds the shuffling, so rounds differ.
-            meta={MetaKey.MODEL_VERSION: round_no, "round_results": average.count},
-        ), metrics.result()
-
+    # ---- evaluation ----
     async def _metrics(
         self, ctx: WorkflowContext, results: Sequence[Result], *, prefix: str
     ) -> dict[str, float]:
-        metrics = _MetricAverage()
-        ordered = [r.payload_sha256 for r in sorted(results, key=lambda r: r.device_id) if r.payload_sha256]
-        async for payload in ctx.store.blobs.read_each(ordered):
+        metrics = MetricAverage()
+        payloads = [r.payload_sha256 for r in results if r.payload_sha256]
+        async for payload in ctx.store.blobs.read_each(payloads):
             dxo = DXO.from_bytes(payload)
             try:
                 weight = weight_of(dxo)
@@ -463,25 +457,3 @@ class FedAvg:
             scalars = {k: float(v) for k, v in dxo.data.items() if v.size == 1 and v.dtype.kind in "fiu"}
             metrics.add({**scalars, **dxo.meta}, weight)
         return {prefix + k if not k.startswith(prefix) else k: v for k, v in metrics.result().items()}
-
-
-class _MetricAverage:
-    """Weighted mean of the numeric metadata the results carry (weights themselves excluded)."""
-
-    _SKIP = frozenset({"num_examples", "num_steps_current_round", "model_version"})
-
-    def __init__(self) -> None:
-        self._sums: dict[str, float] = {}
-        self._weights: dict[str, float] = {}
-
-    def add(self, meta: Mapping[str, Any], weight: float) -> None:
-        for key, value in meta.items():
-            if key in self._SKIP or isinstance(value, bool) or not isinstance(value, int | float):
-                continue
-            if not math.isfinite(value):
-                continue
-            self._sums[key] = self._sums.get(key, 0.0) + weight * float(value)
-            self._weights[key] = self._weights.get(key, 0.0) + weight
-
-    def result(self) -> dict[str, float]:
-        return {k: self._sums[k] / self._weights[k] for k in sorted(self._sums)}

@@ -1,0 +1,212 @@
+"""RoundFold: results folded as they arrive give exactly the bits of folding the stored results in order.
+
+The payloads live in a real SQLite blob store (the store's ``read_each`` is what the fold falls back
+on); tasks and results are the domain values the store would list at the round's close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedlink.common.dxo import DXO, DataKind, MetaKey
+from fedlink.common.errors import FailedPrecondition
+from fedlink.server.domain import ManualClock, Result, ResultStatus, Task, TaskState
+from fedlink.server.store import SqlStateStore, create_store
+from fedlink.server.workflows.aggregation import apply_average
+from fedlink.server.workflows.folding import RoundFold, as_difference, canonical_order
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+MODEL = {"w": np.linspace(-1, 1, 1000, dtype=np.float32), "b": np.arange(3, dtype=np.float32)}
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[SqlStateStore]:
+    s = await create_store(
+        f"sqlite+aiosqlite:///{tmp_path / 'fold.db'}",
+        blob_dir=tmp_path / "blobs",
+        clock=ManualClock(T0),
+        auto_migrate=True,
+    )
+    yield s
+    await s.close()
+
+
+def _task(i: int, created: datetime = T0) -> Task:
+    return Task(
+        task_id=f"task-{i:03d}",
+        job_id="job",
+        run_id="run",
+        round=1,
+        name="train",
+        payload_sha256=None,
+        deadline=created + timedelta(hours=1),
+        slots=1,
+        targeted=True,
+        state=TaskState.OPEN,
+        created_at=created,
+    )
+
+
+def _device(i: int) -> str:
+    return f"dev-{i:03d}"
+
+
+def _update(i: int) -> DXO:
+    """Device i's update: WEIGHTS for even i, WEIGHT_DIFF for odd i, distinct values and weights."""
+    rng = np.random.default_rng(i)
+    diff = {k: (rng.standard_normal(v.shape) * 0.01).astype(np.float32) for k, v in MODEL.items()}
+    meta: dict[str, Any] = {MetaKey.NUM_EXAMPLES: 1 + 7 * i, "loss": 0.5 + i}
+    if i % 2:
+        return DXO(kind=DataKind.WEIGHT_DIFF, data=diff, meta=meta)
+    return DXO(kind=DataKind.WEIGHTS, data={k: MODEL[k] + d for k, d in diff.items()}, meta=meta)
+
+
+async def _result(store: SqlStateStore, i: int, *, kept: bool = True) -> Result:
+    sha = (await store.blobs.put_bytes(_update(i).to_bytes())).sha256 if kept else None
+    return Result(
+        result_id=f"result-{i}",
+        assignment_id=f"assignment-{i}",
+        task_id=_task(i).task_id,
+        device_id=_device(i),
+        status=ResultStatus.SUCCEEDED,
+        payload_sha256=sha,
+        report_digest="d",
+        error_message="",
+        accepted=True,
+        stale=False,
+        request_id=f"request-{i}",
+        created_at=T0,
+    )
+
+
+def _model(fold: RoundFold) -> dict[str, np.ndarray]:
+    return dict(apply_average(MODEL, fold.average, is_diff=True))
+
+
+async def _from_store_only(store: SqlStateStore, results: list[Result]) -> RoundFold:
+    fold = RoundFold(MODEL, budget_bytes=1 << 30)
+    await fold.finish(results, store.blobs.read_each)
+    return fold
+
+
+def _hand(fold: RoundFold, n: int, i: int) -> None:
+    assert fold.reserve(_task(i).task_id, f"request-{i}", _update(i))
+    fold.settle(_task(i).task_id, f"request-{i}", accepted=True)
+
+
+async def test_folding_as_results_arrive_gives_the_bits_of_folding_them_in_order(
+    store: SqlStateStore,
+) -> None:
+    n = 12
+    results = [await _result(store, i) for i in range(n)]
+    tasks = {_task(i).task_id: _task(i) for i in range(n)}
+    ordered = canonical_order(list(reversed(results)), tasks)
+    assert [r.device_id for r in ordered] == [_device(i) for i in range(n)]
+    reference = await _from_store_only(store, ordered)
+
+    fold = RoundFold(MODEL, budget_bytes=1 << 30)
+    fold.expect([_task(i) for i in range(n)], [_device(i) for i in range(n)])
+    for i in [3, 1, 0, 2, 7, 5, 4, 6]:  # out of order: 0-7 fold once 0 is in; 8-11 never handed over
+        _hand(fold, n, i)
+    await asyncio.sleep(0)  # let the drainer run
+    await fold.finish(ordered, store.blobs.read_each)
+    for name in MODEL:
+        np.testing.assert_array_equal(_model(fold)[name], _model(reference)[name])
+    assert fold.metrics.result() == reference.metrics.result()
+    assert fold.average.count == n
+
+
+async def test_a_task_handed_out_with_an_earlier_place_makes_the_fold_start_again(
+    store: SqlStateStore,
+) -> None:
+    results = [await _result(store, i) for i in range(4)]
+    fold = RoundFold(MODEL, budget_bytes=1 << 30)
+    fold.expect([_task(i) for i in (2, 3)], [_device(i) for i in (2, 3)])
+    _hand(fold, 4, 2)
+    await asyncio.sleep(0)
+    # Tasks 0 and 1 come later but sort first (same creation time, lower device ids).
+    fold.expect([_task(i) for i in (0, 1)], [_device(i) for i in (0, 1)])
+    assert not fold.reserve(_task(0).task_id, "request-0", _update(0))  # no more folding ahead
+    await fold.finish(results, store.blobs.read_each)
+    reference = await _from_store_only(store, results)
+    for name in MODEL:
+        np.testing.assert_array_equal(_model(fold)[name], _model(reference)[name])
+
+
+async def test_a_payload_neither_kept_nor_held_is_an_error_not_a_silent_gap(store: SqlStateStore) -> None:
+    results = [await _result(store, 0), await _result(store, 1, kept=False)]
+    fold = RoundFold(MODEL, budget_bytes=1 << 30)
+    with pytest.raises(FailedPrecondition, match="result-1 was not kept"):
+        await fold.finish(results, store.blobs.read_each)
+
+
+async def test_an_unkept_payload_held_by_the_fold_is_folded_from_memory(store: SqlStateStore) -> None:
+    kept = [await _result(store, i) for i in range(3)]
+    unkept = [await _result(store, i, kept=False) for i in range(3)]
+    fold = RoundFold(MODEL, budget_bytes=1 << 30)
+    fold.expect([_task(i) for i in range(3)], [_device(i) for i in range(3)])
+    for i in (2, 1):  # held, waiting for device 0, when the round closes
+        _hand(fold, 3, i)
+    await asyncio.sleep(0)
+    await fold.finish([kept[0], unkept[1], unkept[2]], store.blobs.read_each)
+    reference = await _from_store_only(store, kept)
+    for name in MODEL:
+        np.testing.assert_array_equal(_model(fold)[name], _model(reference)[name])
+
+
+async def test_what_the_fold_declines_and_releases(store: SqlStateStore) -> None:
+    one = sum(int(a.nbytes) for a in MODEL.values())
+    fold = RoundFold(MODEL, budget_bytes=2 * one)
+    fold.expect([_task(i) for i in range(4)], [_device(i) for i in range(4)])
+    assert not fold.reserve("task-999", "r", _update(0))  # not handed out by this driver
+    assert fold.reserve(_task(1).task_id, "request-1", _update(1))
+    assert not fold.reserve(_task(1).task_id, "request-1b", _update(1))  # held already
+    assert fold.reserve(_task(2).task_id, "request-2", _update(2))
+    assert not fold.reserve(_task(3).task_id, "request-3", _update(3))  # over the budget
+    fold.settle(_task(2).task_id, "request-2", accepted=False)  # e.g. stale: dropped, room again
+    assert fold.reserve(_task(3).task_id, "request-3", _update(3))
+    fold.settle(_task(1).task_id, "other-request", accepted=True)  # not the held report: ignored
+    results = [await _result(store, i) for i in range(4)]
+    await fold.finish(results, store.blobs.read_each)
+    reference = await _from_store_only(store, results)
+    for name in MODEL:
+        np.testing.assert_array_equal(_model(fold)[name], _model(reference)[name])
+
+
+async def test_waiting_for_a_fold_ends_when_folded_or_when_the_fold_stalls(store: SqlStateStore) -> None:
+    fold = RoundFold(MODEL, budget_bytes=1 << 30)
+    fold.expect([_task(i) for i in range(3)], [_device(i) for i in range(3)])
+    _hand(fold, 3, 1)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await fold.folded(_task(1).task_id, patience=0.2)  # waits for device 0's result, which never comes
+    assert 0.15 <= loop.time() - started < 2.0
+    waiter = asyncio.create_task(fold.folded(_task(2).task_id, patience=30.0))
+    _hand(fold, 3, 2)
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    _hand(fold, 3, 0)  # 0, 1 and 2 fold now
+    await asyncio.wait_for(waiter, 5.0)
+    await fold.folded(_task(0).task_id, patience=30.0)  # folded already: returns at once
+
+
+def test_weights_as_differences_round_like_weight_diffs() -> None:
+    rng = np.random.default_rng(7)
+    base: dict[str, np.ndarray[Any, Any]] = {
+        "f32": rng.standard_normal(10_000).astype(np.float32),
+        "f16": rng.standard_normal(100).astype(np.float16),
+        "f64": rng.standard_normal(100),
+    }
+    update = {k: (v + rng.standard_normal(v.shape).astype(v.dtype)) for k, v in base.items()}
+    got = as_difference(update, base)
+    for name, value in update.items():
+        exact = np.subtract(value, base[name], dtype=np.float64).astype(base[name].dtype)
+        assert got[name].dtype == base[name].dtype
+        np.testing.assert_array_equal(got[name], exact)
