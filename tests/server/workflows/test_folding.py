@@ -210,3 +210,34 @@ def test_weights_as_differences_round_like_weight_diffs() -> None:
         exact = np.subtract(value, base[name], dtype=np.float64).astype(base[name].dtype)
         assert got[name].dtype == base[name].dtype
         np.testing.assert_array_equal(got[name], exact)
+
+
+async def test_a_round_folded_whole_is_not_read_back_unless_the_store_counts_more(
+    store: SqlStateStore,
+) -> None:
+    n = 6
+    results = [await _result(store, i) for i in range(n)]
+    reference = await _from_store_only(store, results)
+
+    whole = RoundFold(MODEL, budget_bytes=1 << 30)
+    whole.expect([_task(i) for i in range(n)], [_device(i) for i in range(n)])
+    for i in reversed(range(n)):
+        _hand(whole, n, i)
+    await asyncio.sleep(0)
+    assert await whole.finish_if_all_folded(n)
+    assert whole.devices() == [_device(i) for i in range(n)]
+    for name in MODEL:
+        np.testing.assert_array_equal(_model(whole)[name], _model(reference)[name])
+
+    # The store counts one more accepted result than was handed over (say, recorded by another
+    # replica): the fold says so, and finishing from the store's list gets it.
+    partial = RoundFold(MODEL, budget_bytes=1 << 30)
+    partial.expect([_task(i) for i in range(n)], [_device(i) for i in range(n)])
+    for i in range(n - 1):
+        _hand(partial, n, i)
+    await asyncio.sleep(0)
+    assert not await partial.finish_if_all_folded(n)
+    await partial.finish(results, store.blobs.read_each)
+    assert partial.devices() == [_device(i) for i in range(n)]
+    for name in MODEL:
+        np.testing.assert_array_equal(_model(partial)[name], _model(reference)[name])

@@ -199,8 +199,12 @@ class FedAvg:
         fold = RoundFold(global_model.data, budget_bytes=_FOLD_AHEAD_BYTES)
         ctx.progress.fold = fold
         try:
-            train = await self._collect(ctx, round_no, TRAIN_TASK, model_sha, fresh=fresh)
-            await fold.finish(train, ctx.store.blobs.read_each)
+            await self._collect(ctx, round_no, TRAIN_TASK, model_sha, fresh=fresh)
+            # The round is closed: no result can be added. If the fold has every accepted result
+            # the store counts, the results need not be read back.
+            closed = await ctx.store.round_summary(run_id=ctx.run.run_id, round=round_no, name=TRAIN_TASK)
+            if not await fold.finish_if_all_folded(closed.succeeded):
+                await fold.finish(await self._succeeded(ctx, round_no, TRAIN_TASK), ctx.store.blobs.read_each)
         finally:
             ctx.progress.fold = None
         new_model = DXO(
@@ -213,15 +217,16 @@ class FedAvg:
         new_ref = await ctx.store.blobs.put_bytes(new_model.to_bytes())
         metrics = dict(train_metrics)
         if self.params.evaluate:
-            devices = sorted(r.device_id for r in train)
-            evaluation = await self._collect(ctx, round_no, EVALUATE_TASK, new_ref.sha256, devices=devices)
+            devices = sorted(fold.devices())
+            await self._collect(ctx, round_no, EVALUATE_TASK, new_ref.sha256, devices=devices)
+            evaluation = await self._succeeded(ctx, round_no, EVALUATE_TASK)
             metrics.update(await self._metrics(ctx, evaluation, prefix="eval_"))
         metrics_json = json.dumps(metrics, sort_keys=True)
         await ctx.store.save_checkpoint(
             ctx.run.run_id, round_no, new_ref.sha256, metrics_json, keep_last=self.params.keep_checkpoints
         )
         await ctx.events.emit(
-            ctx.job, "round_closed", round_no, {"num_results": len(train), "metrics": metrics}
+            ctx.job, "round_closed", round_no, {"num_results": fold.average.count, "metrics": metrics}
         )
         log.info("round closed", extra={"job_id": ctx.job.job_id, "round": round_no, **metrics})
         return new_ref.sha256
@@ -265,13 +270,13 @@ class FedAvg:
         *,
         devices: Sequence[str] | None = None,
         fresh: bool = False,
-    ) -> list[Result]:
+    ) -> None:
         """Hands out ``name`` tasks for the round, waits until the round can close, and closes it.
 
-        Returns the round's succeeded, accepted results. With ``devices`` the tasks go to exactly
-        those devices (evaluation) and whatever arrives by the deadline is returned. Resumable: tasks
-        already in the store for this round are picked up as they are, unless ``fresh`` says this
-        driver knows there are none.
+        Returns once the round has enough results (``_succeeded`` lists them). With ``devices`` the
+        tasks go to exactly those devices (evaluation) and whatever arrives by the deadline counts.
+        Resumable: tasks already in the store for this round are picked up as they are, unless
+        ``fresh`` says this driver knows there are none.
         """
         retries = 0
         run_id = ctx.run.run_id
@@ -295,12 +300,12 @@ class FedAvg:
                 if now >= deadline or summary.owing == 0:
                     await ctx.store.close_round_tasks(run_id=run_id, round=round_no, name=name)
                     if summary.succeeded >= needed:  # results only add up: no need to count again
-                        return await self._succeeded(ctx, round_no, name)
+                        return
                     continue
                 await self._pause(ctx, (deadline - now).total_seconds(), owing=summary.owing, seen=seen)
                 continue
             if summary.succeeded >= needed:
-                return await self._succeeded(ctx, round_no, name)
+                return
             retries += 1
             if self.params.round_failure_policy == "fail" or retries > self.params.max_round_retries:
                 got = summary.succeeded

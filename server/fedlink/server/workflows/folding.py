@@ -123,6 +123,8 @@ class RoundFold:
         #: Tasks folded, and the request id of the report each was folded from.
         self._folded: list[tuple[str, str]] = []
         self._folded_ids: set[str] = set()
+        #: The devices of the results folded, in order.
+        self._devices: list[str] = []
         #: Callers of :meth:`folded`, by task.
         self._watchers: dict[str, asyncio.Future[None]] = {}
         self._last_fold = 0.0
@@ -189,6 +191,7 @@ class RoundFold:
             self._release(task_id)
             self._folded.append((task_id, held.request_id))
             self._folded_ids.add(task_id)
+            self._devices.append(self._keys[task_id][1])
             self._last_fold = asyncio.get_running_loop().time()
             watcher = self._watchers.pop(task_id, None)
             if watcher is not None and not watcher.done():
@@ -227,6 +230,33 @@ class RoundFold:
             await asyncio.wait((watcher,), timeout=left)
 
     # ---- the close ----
+    def devices(self) -> list[str]:
+        """The devices whose results are folded, in order (all of the round's, once finished)."""
+        return list(self._devices)
+
+    async def finish_if_all_folded(self, succeeded: int) -> bool:
+        """Ends the closed round's fold if it holds every accepted result: ``succeeded`` is how many
+        tasks of the round the store counts with an accepted result, once no more can be added.
+
+        Every folded result was accepted by the store (:meth:`settle`), so as many as it counts are
+        all of them. Returns False (nothing changed) otherwise: :meth:`finish` then.
+        """
+        await self._stop_drain()
+        if self._out_of_order or len(self._folded) != succeeded:
+            return False
+        self._held.clear()
+        self._held_bytes = 0
+        return True
+
+    async def _stop_drain(self) -> None:
+        self._closing = True
+        for watcher in self._watchers.values():
+            if not watcher.done():
+                watcher.set_result(None)
+        self._watchers.clear()
+        if self._drainer is not None:
+            await self._drainer
+
     async def finish(
         self, results: Sequence[Result], read_each: Callable[[Sequence[str]], AsyncIterator[bytes]]
     ) -> None:
@@ -236,17 +266,12 @@ class RoundFold:
             FailedPrecondition: a result's payload was neither kept by the store nor held here (only
                 possible with ``keep_folded_payloads=False`` and a task handed out out of order).
         """
-        self._closing = True
-        for watcher in self._watchers.values():
-            if not watcher.done():
-                watcher.set_result(None)
-        self._watchers.clear()
-        if self._drainer is not None:
-            await self._drainer
+        await self._stop_drain()
         done = len(self._folded)
         prefix = [(r.task_id, r.request_id) for r in results[:done]]
         if prefix != self._folded:  # not a prefix of the final order: fold everything again
             self.average, self.metrics, done = WeightedAverage(self._spec), MetricAverage(), 0
+            self._devices = []
         rest = results[done:]
         from_memory: dict[str, DXO] = {}
         for result in rest:
@@ -265,5 +290,6 @@ class RoundFold:
             if update is None:
                 update = DXO.from_bytes(await anext(stored))
             await self._fold(update)
+            self._devices.append(result.device_id)
         self._held.clear()
         self._held_bytes = 0
