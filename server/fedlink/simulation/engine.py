@@ -296,10 +296,16 @@ class _GcControl:
                     gc.unfreeze()
                     gc.set_threshold(*self._saved)
 
-    def settle(self) -> None:
-        """Collects what is garbage now, and freezes what is alive (only while a simulation runs)."""
+    def settle(self, *, generation: int = 2) -> None:
+        """Collects what is garbage now (up to ``generation``), and freezes what is alive (only while
+        a simulation runs).
+
+        When the devices start, the oldest generation is the interpreter's and the imported modules'
+        objects, with next to no garbage: collecting only the younger ones there spares a walk of the
+        whole heap (0.2 s, a tenth of a small run). A round's own garbage is collected in full.
+        """
         if self._active:
-            gc.collect()
+            gc.collect(generation)
             gc.freeze()
 
 
@@ -420,7 +426,7 @@ async def _run(
         for i, t in enumerate(transports)
     ]
     tasks = [asyncio.create_task(r.run_async(), name=f"device-{i}") for i, r in enumerate(runners)]
-    _GC.settle()
+    _GC.settle(generation=1)
     ticker = asyncio.create_task(_tick(plan.sinks, hub.counts))
     try:
         try:
