@@ -38,7 +38,7 @@ class _PokeSupervisor(ResultListener):
         self._supervisor = supervisor
 
     def result_recorded(self, job_id: str, task: Task) -> None:
-        self._supervisor.poke(job_id)
+        self._supervisor.progress(job_id)
 
     def reserve(self, job_id: str, task: Task, request_id: str, update: DXO) -> bool:
         fold = self._supervisor.fold(job_id)

@@ -7,7 +7,6 @@ forge one or use another device's.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ class CookieSigner:
     def sign(self, cookie: Cookie) -> bytes:
         """Returns the opaque bytes of ``cookie``."""
         body = _ENCODE([_VERSION, cookie.device_id, cookie.job_id, cookie.assignment_id]).encode()
-        return body + hmac.new(self._key, body, hashlib.sha256).digest()
+        return body + hmac.digest(self._key, body, "sha256")
 
     def verify(self, data: bytes, *, device_id: str, job_id: str) -> Cookie:
         """Checks ``data`` was signed here for this device and job, and returns what it says.
@@ -53,7 +52,7 @@ class CookieSigner:
         if len(data) > MAX_COOKIE_BYTES or len(data) <= _MAC_BYTES:
             raise InvalidArgument("the cookie is not one this coordinator issued")
         body, mac = data[:-_MAC_BYTES], data[-_MAC_BYTES:]
-        if not hmac.compare_digest(mac, hmac.new(self._key, body, hashlib.sha256).digest()):
+        if not hmac.compare_digest(mac, hmac.digest(self._key, body, "sha256")):
             raise InvalidArgument("the cookie's signature does not match: this coordinator did not issue it")
         try:
             version, dev, job, assignment = json.loads(body)

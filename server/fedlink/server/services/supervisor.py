@@ -54,11 +54,17 @@ class JobSupervisor:
         self._wake = asyncio.Event()
 
     def poke(self, job_id: str) -> None:
-        """Tells the job's driver that something happened (a result, an expiry, an abort)."""
+        """Tells the job's driver that something happened (an expiry, an abort, a new job), and has
+        the jobs scanned again."""
+        self.progress(job_id)
+        self._wake.set()
+
+    def progress(self, job_id: str) -> None:
+        """Tells the job's driver that a result was recorded (no scan of the jobs: nothing changed
+        in which jobs exist or in what state)."""
         progress = self._progress.get(job_id)
         if progress is not None:
             progress.poke()
-        self._wake.set()
 
     def fold(self, job_id: str) -> RoundFold | None:
         """The in-process fold of the job's open round, if this coordinator drives it."""
