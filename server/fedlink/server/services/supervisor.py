@@ -54,9 +54,11 @@ class JobSupervisor:
         self._wake = asyncio.Event()
 
     def poke(self, job_id: str) -> None:
-        """Tells the job's driver that something happened (an expiry, an abort, a new job), and has
-        the jobs scanned again."""
-        self.progress(job_id)
+        """Tells the job's driver that something happened (an expiry, an abort, a new job), urgently,
+        and has the jobs scanned again."""
+        progress = self._progress.get(job_id)
+        if progress is not None:
+            progress.poke(urgent=True)
         self._wake.set()
 
     def progress(self, job_id: str) -> None:

@@ -28,10 +28,15 @@ class Progress:
         self.signals = 0
         #: The open round's in-process fold, which the report path hands accepted updates to.
         self.fold: RoundFold | None = None
+        #: Set by an urgent :meth:`poke`; the driver clears it when it reads the state again.
+        self.urgent = False
 
-    def poke(self) -> None:
-        """Signals progress."""
+    def poke(self, *, urgent: bool = False) -> None:
+        """Signals progress; ``urgent`` when the driver should look at once (a lease ran out, the job
+        changed) rather than when enough results came."""
         self.signals += 1
+        if urgent:
+            self.urgent = True
         self._event.set()
 
     async def wait(self, seconds: float) -> None:

@@ -180,8 +180,10 @@ class FedAvg:
         self.params = params
         self._poll = poll_seconds
         self._min_check = min(min_check_seconds, poll_seconds)
-        #: The longest a round owing many results goes unread while progress signals come.
-        self._max_unread = max(min_check_seconds, poll_seconds)
+        #: The longest a round owing many results goes unread while progress signals come. Every
+        #: in-process change signals (results, releases; expiries and job changes urgently): this only
+        #: bounds how late a change this process is not told about (another replica's) is seen.
+        self._max_unread = max(10 * min_check_seconds, poll_seconds)
 
     async def run(self, ctx: WorkflowContext) -> None:
         """Runs rounds from the run's last checkpoint to ``num_rounds``."""
@@ -284,6 +286,7 @@ class FedAvg:
             await self._start_wave(ctx, round_no, name, payload_sha, None, devices, wave=0)
         while True:
             seen = ctx.progress.signals
+            ctx.progress.urgent = False
             summary = await ctx.store.round_summary(run_id=run_id, round=round_no, name=name)
             if summary.tasks == 0:
                 await self._start_wave(ctx, round_no, name, payload_sha, None, devices, wave=0)
@@ -324,8 +327,9 @@ class FedAvg:
         owes only a few results is read again at each progress signal, so its last result closes it
         at once. A round that owes more is read again once as many signals came (since ``seen``, the
         count when it was last read) as it owes results — every recorded report and release signals
-        once, so its last result still closes it at once — or after the larger of ``poll_seconds`` and
-        ``min_check_seconds`` (a lease that runs out sends no signal), and never sooner than
+        once, so its last result still closes it at once — or at an urgent signal (leases that ran
+        out, a job change), or after the larger of ``poll_seconds`` and ten times
+        ``min_check_seconds`` (for what another replica changed), and never sooner than
         ``min_check_seconds`` (at most ``poll_seconds``) after the last read.
         """
         loop = asyncio.get_running_loop()
@@ -334,7 +338,7 @@ class FedAvg:
             await ctx.progress.wait(min(self._poll, max(0.0, until_deadline)))
             return
         limit = min(self._max_unread, max(0.0, until_deadline))
-        while ctx.progress.signals - seen < owing:
+        while ctx.progress.signals - seen < owing and not ctx.progress.urgent:
             left = limit - (loop.time() - started)
             if left <= 0:
                 break
