@@ -570,13 +570,14 @@ class DeviceProtocol:
         return hashlib.sha256(data).hexdigest(), data
 
     async def _report_batch(self, staged: Sequence[_StagedReport]) -> list[RecordOutcome | BaseException]:
-        # Inline payloads were hashed when staged (payload_sha256): put_many need not hash them again.
-        inline = [(item.report.payload_sha256, item.inline) for item in staged if item.inline is not None]
-        if inline:
-            await self._store.blobs.put_many(
-                [data for _, data in inline], sha256s=[sha for sha, _ in inline if sha is not None]
-            )
-        return list(await self._store.record_results([item.report for item in staged], self._clock.now()))
+        # Inline payloads were hashed when staged (payload_sha256), and are committed with the reports.
+        payloads = [
+            (item.report.payload_sha256, item.inline)
+            for item in staged
+            if item.inline is not None and item.report.payload_sha256 is not None
+        ]
+        reports = [item.report for item in staged]
+        return list(await self._store.record_results(reports, self._clock.now(), payloads=payloads))
 
     # ---- leases ----
     async def renew_lease(self, device: Device, *, job_id: str, task_id: str, cookie: bytes) -> LeaseReply:
