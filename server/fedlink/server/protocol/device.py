@@ -59,6 +59,8 @@ _ASSIGNMENT_CACHE = 100_000
 _ROUND_PREFETCH_MIN = 8
 #: Polls answered by one "anything to claim?" read (the store chunks it further).
 _CLAIMABLE_BATCH = 5_000
+#: While polls arrive together, how long the "anything to claim?" read waits for more (see Batcher).
+_READ_LINGER_SECONDS = 0.01
 _FINAL_JOB_STATES = frozenset({JobState.FINISHED, JobState.FAILED, JobState.ABORTED})
 
 
@@ -242,7 +244,7 @@ class DeviceProtocol:
         # The "anything to claim?" read of every poll: a round's devices poll together (each right
         # after its report), and one set-based read answers a batch of them.
         self._claimable: Batcher[tuple[str, str], bool] = Batcher(
-            self._claimable_batch, max_batch=_CLAIMABLE_BATCH
+            self._claimable_batch, max_batch=_CLAIMABLE_BATCH, linger=_READ_LINGER_SECONDS
         )
         self._reads = JobReads(store)  # a round's devices read their job at once: one read serves them
         self._authenticator = DeviceAuthenticator(store)  # one credential read per batch of calls
