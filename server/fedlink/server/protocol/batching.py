@@ -46,8 +46,9 @@ class Batcher(Generic[Req, Resp]):
         self._pending.append((request, future))
         if self._runner is None or self._runner.done():
             self._runner = asyncio.create_task(self._drain())
-        # shield: a caller that gives up must not cancel the batch other callers are waiting for.
-        return await asyncio.shield(future)
+        # A caller that gives up cancels its own future only: the batch runs in the drain task, which
+        # skips futures that are done (no shield needed, and a shield per call cost a future more).
+        return await future
 
     async def _drain(self) -> None:
         company = False  # the last batch had more than one request: callers are arriving together
