@@ -21,6 +21,7 @@ from typing import Any
 import uvloop
 
 from fedlink.server.app import Coordinator
+from fedlink.server.gc_tuning import GC_CONTROL
 from fedlink.server.settings import CoordinatorSettings
 
 _DURATIONS = frozenset(
@@ -57,7 +58,9 @@ async def serve(settings: CoordinatorSettings, ready_file: Path) -> None:
         partial = ready_file.with_suffix(".tmp")
         partial.write_text(json.dumps(ready))
         partial.rename(ready_file)
-        await stop.wait()
+        with GC_CONTROL.quiet():  # as `fedlink serve` does once it serves
+            GC_CONTROL.settle()
+            await stop.wait()
         await coordinator.stop(grace=1.0)
 
 

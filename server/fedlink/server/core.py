@@ -187,7 +187,7 @@ class CoordinatorCore:
             clock=self.clock,
             notifier=notifier,
             drain_seen=self._device.drain_seen,
-            on_job_change=supervisor.poke,
+            on_run_progress=supervisor.progress,
             interval=s.reaper_interval,
             offline_after=s.device_offline_after,
         )

@@ -65,3 +65,40 @@ async def test_a_cancelled_caller_does_not_cancel_the_batch() -> None:
     assert await second == 2
     with pytest.raises(asyncio.CancelledError):
         await first
+
+
+async def _batches_of_staggered_requests(linger: float) -> list[list[int]]:
+    batches: list[list[int]] = []
+
+    async def handler(requests: Sequence[int]) -> list[int | BaseException]:
+        batches.append(list(requests))
+        await asyncio.sleep(0.005)  # a store read: requests queue up meanwhile
+        return list(requests)
+
+    batcher: Batcher[int, int] = Batcher(handler, linger=linger)
+
+    async def staggered(i: int) -> int:
+        await asyncio.sleep(0.001 * i)  # callers arrive over ~80 ms, not all at once
+        return await batcher.submit(i)
+
+    assert await asyncio.gather(*(staggered(i) for i in range(80))) == list(range(80))
+    assert sorted(r for b in batches for r in b) == list(range(80))
+    return batches
+
+
+async def test_linger_grows_the_batches_of_requests_that_arrive_together() -> None:
+    plain = await _batches_of_staggered_requests(linger=0.0)
+    lingering = await _batches_of_staggered_requests(linger=0.03)
+    assert len(lingering) * 2 <= len(plain), f"{len(lingering)} batches with linger, {len(plain)} without"
+
+
+async def test_linger_does_not_delay_a_lone_request() -> None:
+    async def handler(requests: Sequence[int]) -> list[int | BaseException]:
+        return list(requests)
+
+    batcher: Batcher[int, int] = Batcher(handler, linger=0.5)
+    loop = asyncio.get_running_loop()
+    for i in range(3):
+        started = loop.time()
+        assert await batcher.submit(i) == i
+        assert loop.time() - started < 0.25, "a lone request waited for company"

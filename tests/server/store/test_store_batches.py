@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections import Counter
 from datetime import timedelta
 
@@ -175,3 +176,28 @@ async def test_concurrent_claim_batches_never_double_assign(world: World, more_s
     assert max(Counter((a.task_id, a.device_id) for a in got.values()).values()) == 1
     assert {a.device_id for a in got.values()} == set(devices)
     assert {a.task_id for a in got.values()} <= {t.task_id for t in created}
+
+
+async def test_a_report_batch_stores_its_inline_payloads_with_the_results(world: World) -> None:
+    ids = [d.device_id for d in world.devices]
+    await world.tasks(2)
+    claimed = await world.store.claim_tasks(ask(world, 0, 1), world.clock.now(), LEASE)
+    datas = [b"payload of device 0", b"payload of device 1"]
+    shas = [hashlib.sha256(d).hexdigest() for d in datas]
+    held = [c for c in claimed if c is not None]
+    assert [c.device_id for c in held] == ids[:2]
+
+    outcomes = await world.store.record_results(
+        [report(c, payload_sha256=sha) for c, sha in zip(held, shas, strict=True)],
+        world.clock.now(),
+        payloads=list(zip(shas, datas, strict=True)),
+    )
+
+    assert all(not isinstance(o, Exception) and o.outcome is ReportOutcome.ACCEPTED for o in outcomes)
+    assert [await world.store.blobs.read(sha) for sha in shas] == datas
+    recorded = {
+        r.device_id: r.payload_sha256
+        for t in {c.task_id for c in held}
+        for r in await world.store.list_results(task_id=t)
+    }
+    assert recorded == dict(zip(ids[:2], shas, strict=True))

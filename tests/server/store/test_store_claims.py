@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections import Counter
-from datetime import timedelta
+from datetime import timedelta, timezone
 from pathlib import Path
 
 import pytest
 
 from fedlink.common.errors import IllegalTransition, PermissionDenied
 from fedlink.server.domain import AssignmentState, LeaseLost, TaskState
-from fedlink.server.store import ClaimRequest, SqlStateStore
+from fedlink.server.store import ClaimRequest, NewTask, SqlStateStore
 from fedlink.server.store.testing import StoreFactory, World
 
 LEASE = timedelta(seconds=30)
@@ -222,3 +222,31 @@ async def test_no_double_claims_across_processes(world: World, store_url: str, t
             claims.append((task_id, device, int(slot)))
     assert len(claims) == 18, "every slot should be taken exactly once"
     _check_no_double_claims(claims, {t.task_id: t.slots for t in tasks})
+
+
+async def test_created_tasks_are_what_the_store_reads_back(world: World) -> None:
+    ids = [d.device_id for d in world.devices]
+    # A deadline in another time zone, and targeted and untargeted tasks, in one call.
+    other_zone = timezone(timedelta(hours=5, minutes=30))
+    deadline = (world.clock.now() + timedelta(minutes=3, microseconds=7)).astimezone(other_zone)
+    news = [
+        NewTask(
+            job_id=world.job.job_id,
+            run_id=world.run.run_id,
+            round=3,
+            name=name,
+            payload_sha256=sha,
+            deadline=deadline,
+            slots=slots,
+            targets=targets,
+        )
+        for name, sha, slots, targets in (
+            ("train", "a" * 64, 1, (ids[0],)),
+            ("evaluate", None, 2, ()),
+            ("train", None, 3, tuple(ids[1:4])),
+        )
+    ]
+    made = await world.store.create_tasks(news)
+    assert list(made) == [await world.store.get_task(t.task_id) for t in made]
+    listed = await world.store.list_tasks(world.run.run_id, round=3)  # same created_at: by task_id
+    assert sorted(made, key=lambda t: t.task_id) == list(listed)

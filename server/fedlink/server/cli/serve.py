@@ -21,14 +21,18 @@ import typing
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import click
 from click.core import ParameterSource
 
 from fedlink.common.errors import FedlinkError, InvalidArgument
 from fedlink.server.cli.client import CommandError
+from fedlink.server.gc_tuning import GC_CONTROL
 from fedlink.server.settings import CoordinatorSettings, env_var, load_settings, setting_docs
+
+if TYPE_CHECKING:
+    from fedlink.server.app import Coordinator
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +193,12 @@ async def run_coordinator(settings: CoordinatorSettings) -> None:
         raise _start_failure(settings, exc) from None
     assert coordinator.endpoint is not None  # set by start()
     _announce(settings, coordinator.endpoint.address, coordinator.endpoint.ca_cert)
+    with GC_CONTROL.quiet():
+        GC_CONTROL.settle()  # what serving needs is loaded now: later collections skip it
+        await _serve_until_stopped(settings, coordinator)
+
+
+async def _serve_until_stopped(settings: CoordinatorSettings, coordinator: Coordinator) -> None:
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     handled: list[signal.Signals] = []

@@ -59,6 +59,8 @@ _ASSIGNMENT_CACHE = 100_000
 _ROUND_PREFETCH_MIN = 8
 #: Polls answered by one "anything to claim?" read (the store chunks it further).
 _CLAIMABLE_BATCH = 5_000
+#: While polls arrive together, how long the "anything to claim?" read waits for more (see Batcher).
+_READ_LINGER_SECONDS = 0.01
 _FINAL_JOB_STATES = frozenset({JobState.FINISHED, JobState.FAILED, JobState.ABORTED})
 
 
@@ -242,7 +244,7 @@ class DeviceProtocol:
         # The "anything to claim?" read of every poll: a round's devices poll together (each right
         # after its report), and one set-based read answers a batch of them.
         self._claimable: Batcher[tuple[str, str], bool] = Batcher(
-            self._claimable_batch, max_batch=_CLAIMABLE_BATCH
+            self._claimable_batch, max_batch=_CLAIMABLE_BATCH, linger=_READ_LINGER_SECONDS
         )
         self._reads = JobReads(store)  # a round's devices read their job at once: one read serves them
         self._authenticator = DeviceAuthenticator(store)  # one credential read per batch of calls
@@ -570,13 +572,14 @@ class DeviceProtocol:
         return hashlib.sha256(data).hexdigest(), data
 
     async def _report_batch(self, staged: Sequence[_StagedReport]) -> list[RecordOutcome | BaseException]:
-        # Inline payloads were hashed when staged (payload_sha256): put_many need not hash them again.
-        inline = [(item.report.payload_sha256, item.inline) for item in staged if item.inline is not None]
-        if inline:
-            await self._store.blobs.put_many(
-                [data for _, data in inline], sha256s=[sha for sha, _ in inline if sha is not None]
-            )
-        return list(await self._store.record_results([item.report for item in staged], self._clock.now()))
+        # Inline payloads were hashed when staged (payload_sha256), and are committed with the reports.
+        payloads = [
+            (item.report.payload_sha256, item.inline)
+            for item in staged
+            if item.inline is not None and item.report.payload_sha256 is not None
+        ]
+        reports = [item.report for item in staged]
+        return list(await self._store.record_results(reports, self._clock.now(), payloads=payloads))
 
     # ---- leases ----
     async def renew_lease(self, device: Device, *, job_id: str, task_id: str, cookie: bytes) -> LeaseReply:

@@ -20,6 +20,8 @@ _V = TypeVar("_V")
 _BATCH = 100_000
 #: Page size when listing the jobs in a state.
 _PAGE = 200
+#: While reads are asked for together, how long a read waits for more askers (see Batcher).
+_LINGER_SECONDS = 0.01
 
 
 class JobReads:
@@ -27,8 +29,10 @@ class JobReads:
 
     def __init__(self, store: StateStore) -> None:
         self._store = store
-        self._jobs: Batcher[str, Job] = Batcher(self._job_batch, max_batch=_BATCH)
-        self._states: Batcher[JobState, list[Job]] = Batcher(self._state_batch, max_batch=_BATCH)
+        self._jobs: Batcher[str, Job] = Batcher(self._job_batch, max_batch=_BATCH, linger=_LINGER_SECONDS)
+        self._states: Batcher[JobState, list[Job]] = Batcher(
+            self._state_batch, max_batch=_BATCH, linger=_LINGER_SECONDS
+        )
         self._named: Batcher[str, list[Job]] = Batcher(self._named_batch, max_batch=_BATCH)
 
     async def job(self, job_id: str) -> Job:

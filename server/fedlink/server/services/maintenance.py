@@ -24,7 +24,7 @@ class Maintenance:
         clock: Clock,
         notifier: TaskNotifier,
         drain_seen: Callable[[], set[str]],
-        on_job_change: Callable[[str], None],
+        on_run_progress: Callable[[str], None],
         interval: timedelta,
         offline_after: timedelta,
     ) -> None:
@@ -32,7 +32,7 @@ class Maintenance:
         self._clock = clock
         self._notifier = notifier
         self._drain_seen = drain_seen
-        self._on_job_change = on_job_change
+        self._on_run_progress = on_run_progress
         self._interval = interval.total_seconds()
         self._offline_after = offline_after
 
@@ -56,7 +56,7 @@ class Maintenance:
         if seen:
             await self._store.touch_devices(sorted(seen), now)
         for job_id in {a.job_id for a in await self._store.expire_leases(now)}:
-            self._on_job_change(job_id)  # the workflow may hand the task to another device
+            self._on_run_progress(job_id)  # the workflow may hand the task to another device
             self._notifier.notify(job_id)
         if mark_offline:
             await self._store.mark_offline(now - self._offline_after)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -152,12 +152,25 @@ class SqlBlobStore:
         durable) before that transaction. ``sha256s``: the hashes of ``datas``, when the caller computed
         them already (the device protocol does, to validate and identify a report).
         """
+        refs, write = await self.prepare_many(datas, sha256s=sha256s)
+        if write is not None:
+            await self._db.write_sync(write)
+        return refs
+
+    async def prepare_many(
+        self, datas: Sequence[bytes], *, sha256s: Sequence[str] | None = None
+    ) -> tuple[list[BlobRef], Callable[[sa.Connection], None] | None]:
+        """:meth:`put_many` up to its transaction: the refs, and the work to run in a write transaction.
+
+        Bytes kept outside the database are written and durable when this returns; the returned work
+        inserts the blob rows (and the bytes kept as rows), so a caller can commit the blobs with its
+        own rows in one transaction (the report batches of ``record_results``). The work is None when
+        every blob is stored already.
+        """
         if sha256s is None:
             sha256s = [hashlib.sha256(d).hexdigest() for d in datas]
         refs = [BlobRef(sha256=sha, size_bytes=len(d)) for sha, d in zip(sha256s, datas, strict=True)]
         wanted = {ref.sha256: data for ref, data in zip(refs, datas, strict=True)}
-        if not wanted:
-            return refs
         outside = [sha for sha, data in wanted.items() if not self._bytes.in_rows(len(data))]
         if outside:
             # Files are written only for blobs not stored yet; a blob already stored is left alone.
@@ -167,19 +180,19 @@ class SqlBlobStore:
             for sha in present:
                 del wanted[sha]
             await self._bytes.prepare_objects([(sha, wanted[sha]) for sha in outside if sha not in present])
-        if not wanted:
-            return refs
         now = self._clock.now()
         rows = [{"sha256": sha, "size_bytes": len(data), "created_at": now} for sha, data in wanted.items()]
         insert = self._db.insert_ignore(blobs).returning(blobs.c.sha256)
 
-        def work(conn: sa.Connection) -> None:
+        if not rows:
+            return refs, None
+
+        def write(conn: sa.Connection) -> None:
             # Only the rows this transaction inserted get their bytes: a concurrent writer's are in.
             fresh = set(conn.execute(insert, rows).scalars())
             self._bytes.insert_objects(conn, [(sha, data) for sha, data in wanted.items() if sha in fresh])
 
-        await self._db.write_sync(work)
-        return refs
+        return refs, write
 
     async def put_stream(self, chunks: AsyncIterator[bytes]) -> BlobRef:
         """Store a stream of unknown hash chunk by chunk and return its reference."""

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from fedlink.common.errors import FailedPrecondition, InvalidArgument
+from fedlink.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from fedlink.server.domain import (
     Checkpoint,
     Job,
@@ -213,13 +213,14 @@ class JobQueries(StoreCore):
             raise InvalidArgument(f"keep_last must be >= 1, got {keep_last}")
         now = self._clock.now()
 
-        async def work(conn: AsyncConnection) -> Checkpoint:
+        def work(conn: sa.Connection) -> Checkpoint:
             where = runs.c.run_id == run_id
-            await self._fetch_one(conn, sa.select(runs.c.run_id).where(where), f"run {run_id}")
-            await conn.execute(
+            if conn.execute(sa.select(runs.c.run_id).where(where)).first() is None:
+                raise NotFound(f"run {run_id} does not exist")
+            conn.execute(
                 sa.delete(checkpoints).where(checkpoints.c.run_id == run_id, checkpoints.c.round == round)
             )
-            saved = await conn.execute(
+            saved = conn.execute(
                 sa.insert(checkpoints)
                 .values(
                     run_id=run_id,
@@ -230,7 +231,7 @@ class JobQueries(StoreCore):
                 )
                 .returning(checkpoints)
             )
-            await conn.execute(
+            conn.execute(
                 sa.update(runs)
                 .where(where)
                 .values(
@@ -238,25 +239,23 @@ class JobQueries(StoreCore):
                 )
             )
             newest = (
-                (
-                    await conn.execute(
-                        sa.select(checkpoints.c.round)
-                        .where(checkpoints.c.run_id == run_id)
-                        .order_by(checkpoints.c.round.desc())
-                        .limit(keep_last)
-                    )
+                conn.execute(
+                    sa.select(checkpoints.c.round)
+                    .where(checkpoints.c.run_id == run_id)
+                    .order_by(checkpoints.c.round.desc())
+                    .limit(keep_last)
                 )
                 .scalars()
                 .all()
             )
-            await conn.execute(
+            conn.execute(
                 sa.delete(checkpoints).where(
                     checkpoints.c.run_id == run_id, checkpoints.c.round.not_in(list(newest))
                 )
             )
             return rows.checkpoint(saved.one())
 
-        return await self._db.write(work)
+        return await self._db.write_sync(work)
 
     async def list_checkpoints(self, run_id: str) -> Sequence[Checkpoint]:
         """Return a run's kept checkpoints, oldest round first."""
@@ -273,20 +272,19 @@ class JobQueries(StoreCore):
         """
         now = self._clock.now()
 
-        async def work(conn: AsyncConnection) -> JobEvent:
-            await self._fetch_one(
-                conn, sa.select(jobs.c.job_id).where(jobs.c.job_id == job_id), f"job {job_id}"
-            )
+        def work(conn: sa.Connection) -> JobEvent:
+            if conn.execute(sa.select(jobs.c.job_id).where(jobs.c.job_id == job_id)).first() is None:
+                raise NotFound(f"job {job_id} does not exist")
             while True:
                 last = (
-                    await conn.execute(
+                    conn.execute(
                         sa.select(sa.func.coalesce(sa.func.max(job_events.c.sequence), 0)).where(
                             job_events.c.job_id == job_id
                         )
                     )
                 ).scalar_one()
                 inserted = (
-                    await conn.execute(
+                    conn.execute(
                         self._db.insert_ignore(job_events)
                         .values(
                             job_id=job_id, sequence=last + 1, time=now, kind=kind, payload_json=payload_json
@@ -297,7 +295,7 @@ class JobQueries(StoreCore):
                 if inserted is not None:
                     return rows.job_event(inserted)
 
-        return await self._db.write(work)
+        return await self._db.write_sync(work)
 
     async def list_job_events(
         self, job_id: str, *, after_sequence: int = 0, limit: int = 1000

@@ -464,9 +464,13 @@ class StateStore(Protocol):
 
     # ---- results ----
     async def record_results(
-        self, reports: Sequence[ResultReport], now: datetime
+        self, reports: Sequence[ResultReport], now: datetime, *, payloads: Sequence[tuple[str, bytes]] = ()
     ) -> list[RecordOutcome | FedlinkError]:
-        """Record many reports in one transaction; each item is an outcome or the error it earned."""
+        """Record many reports in one transaction; each item is an outcome or the error it earned.
+
+        ``payloads``: (sha256, bytes) of the reports' inline results, stored as blobs in the same
+        transaction.
+        """
         ...
 
     async def record_result(self, report: ResultReport, now: datetime) -> RecordOutcome:

@@ -12,6 +12,7 @@ import sqlalchemy as sa
 from fedlink.common.errors import Conflict, FedlinkError, InvalidArgument, NotFound, PermissionDenied
 from fedlink.server.domain import AssignmentState, ReportOutcome, Result, ResultStatus, TaskState, new_id
 from fedlink.server.store import rows
+from fedlink.server.store.blobs import SqlBlobStore
 from fedlink.server.store.core import StoreCore
 from fedlink.server.store.protocol import RecordOutcome, ResultReport
 from fedlink.server.store.schema import among, assignments, results, state_is, tasks
@@ -46,13 +47,18 @@ def _stale_reason(row: sa.Row[Any], now: datetime) -> str | None:
 class ResultQueries(StoreCore):
     """The results part of the SQL store."""
 
+    #: The blob store on the same database (set by the SqlStateStore): reports' payloads go with them.
+    _blob_store: SqlBlobStore
+
     async def record_results(
-        self, reports: Sequence[ResultReport], now: datetime
+        self, reports: Sequence[ResultReport], now: datetime, *, payloads: Sequence[tuple[str, bytes]] = ()
     ) -> list[RecordOutcome | FedlinkError]:
         """Record many reports in one transaction; each item is an outcome or the error it earned.
 
         A report is checked before anything is written for it, so one bad report changes nothing
-        and does not stop the others.
+        and does not stop the others. ``payloads``: (sha256, bytes) of the reports' inline results,
+        stored as blobs (once per content, as ``blobs.put_many`` does) in the same transaction: one
+        commit per report batch, not two.
         """
         for report in reports:
             if not report.request_id:
@@ -60,7 +66,18 @@ class ResultQueries(StoreCore):
         if not reports:
             return []
         statements = self._result_statements()
-        return await self._db.write_sync(lambda conn: _record_batch(statements, conn, reports, now))
+        write_payloads = None
+        if payloads:
+            _, write_payloads = await self._blob_store.prepare_many(
+                [data for _, data in payloads], sha256s=[sha for sha, _ in payloads]
+            )
+
+        def work(conn: sa.Connection) -> list[RecordOutcome | FedlinkError]:
+            if write_payloads is not None:
+                write_payloads(conn)
+            return _record_batch(statements, conn, reports, now)
+
+        return await self._db.write_sync(work)
 
     async def record_result(self, report: ResultReport, now: datetime) -> RecordOutcome:
         """Record one report (idempotent); raises what :meth:`record_results` would put in its slot."""

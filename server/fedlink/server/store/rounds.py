@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from fedlink.server.domain import Assignment, AssignmentState, ResultStatus, TaskState
 from fedlink.server.store import rows
@@ -98,12 +97,12 @@ class RoundQueries(StoreCore):
             .returning(tasks.c.task_id)
         )
 
-        async def work(conn: AsyncConnection) -> int:
-            closed = list((await conn.execute(statement)).scalars())
-            await drop_offers(conn, closed)
+        def work(conn: sa.Connection) -> int:
+            closed = list(conn.execute(statement).scalars())
+            drop_offers(conn, closed)
             return len(closed)
 
-        return await self._db.write(work)
+        return await self._db.write_sync(work)
 
 
 def _round_summary_statement() -> sa.Select[int, int, int, int, int, int, Any]:
