@@ -7,6 +7,7 @@ in-process, so both run exactly the same workflow, store and protocol code.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import os
@@ -187,7 +188,7 @@ class CoordinatorCore:
             clock=self.clock,
             notifier=notifier,
             drain_seen=self._device.drain_seen,
-            on_run_progress=supervisor.progress,
+            on_run_progress=functools.partial(supervisor.progress, urgent=True),
             interval=s.reaper_interval,
             offline_after=s.device_offline_after,
         )

@@ -19,8 +19,6 @@ Heterogeneity needs the in-process transport, and the live device counts stay ze
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import gc
 import json
 import logging
 import math
@@ -28,7 +26,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -46,6 +44,7 @@ from fedlink.runner.transport.state import Identity, StateDir
 from fedlink.server.app import Coordinator
 from fedlink.server.core import CoordinatorCore
 from fedlink.server.domain import JobEvent, JobState, ResultStatus
+from fedlink.server.gc_tuning import GC_CONTROL
 from fedlink.server.protocol.control import JobSubmission
 from fedlink.server.protocol.events import JOB_STATE_CHANGED
 from fedlink.server.settings import CoordinatorSettings
@@ -77,8 +76,6 @@ _IN_FLIGHT_BYTES = 256 * 1024**2
 #: at most 256 reports per transaction).
 _MAX_IN_FLIGHT = 1024
 _SUPERVISOR_LOGGER = "fedlink.server.services.supervisor"
-#: The cyclic garbage collector's first threshold while a simulation runs (CPython's default is 700).
-_GC_YOUNG_THRESHOLD = 20_000
 
 RunnerArg = Mapping[str, Any] | str | ResolverRegistry | Executor | None
 #: How the virtual devices reach the coordinator.
@@ -240,7 +237,7 @@ async def simulate(plan: Plan, pool: ExecutorPool) -> SimulationResult:
     supervisor_log.addHandler(errors)
     workdir = Path(tempfile.mkdtemp(prefix="fedlink-sim-"))
     try:
-        with _GC.quiet():
+        with GC_CONTROL.quiet():
             if plan.transport == "grpc":
                 async with Coordinator(_settings(plan, workdir)) as coordinator:
                     assert coordinator.core is not None and coordinator.endpoint is not None
@@ -259,57 +256,6 @@ async def simulate(plan: Plan, pool: ExecutorPool) -> SimulationResult:
         for sink in plan.sinks:
             sink.close()
         remove_in_background(workdir)
-
-
-class _GcControl:
-    """Keeps CPython's cyclic garbage collector from re-walking the simulation's long-lived objects.
-
-    Ten thousand devices keep millions of objects alive (Runners, their contexts and pending calls,
-    the coordinator's caches). A full collection walks all of them; with the default thresholds one
-    ran every couple of seconds and they took a quarter of the run's CPU at 10,000 devices (more with
-    every round, as the heap grew). While a simulation runs, the objects alive once its devices are
-    started, and at each round's close, are frozen (:func:`gc.freeze`: collected no more, freed as
-    usual when their reference count drops) after a collection, so later collections walk only what is
-    younger; the young generation is collected less often. Everything is unfrozen and the thresholds
-    restored when the last simulation of the process ends (cyclic garbage among the frozen objects
-    is collected then).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._active = 0
-        self._saved: tuple[int, int, int] = gc.get_threshold()
-
-    @contextlib.contextmanager
-    def quiet(self) -> Iterator[None]:
-        with self._lock:
-            if self._active == 0:
-                self._saved = gc.get_threshold()
-                gc.set_threshold(max(self._saved[0], _GC_YOUNG_THRESHOLD), *self._saved[1:])
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._active -= 1
-                if self._active == 0:
-                    gc.unfreeze()
-                    gc.set_threshold(*self._saved)
-
-    def settle(self, *, generation: int = 2) -> None:
-        """Collects what is garbage now (up to ``generation``), and freezes what is alive (only while
-        a simulation runs).
-
-        When the devices start, the oldest generation is the interpreter's and the imported modules'
-        objects, with next to no garbage: collecting only the younger ones there spares a walk of the
-        whole heap (0.2 s, a tenth of a small run). A round's own garbage is collected in full.
-        """
-        if self._active:
-            gc.collect(generation)
-            gc.freeze()
-
-
-_GC = _GcControl()
 
 
 def remove_in_background(path: Path) -> threading.Thread:
@@ -426,7 +372,7 @@ async def _run(
         for i, t in enumerate(transports)
     ]
     tasks = [asyncio.create_task(r.run_async(), name=f"device-{i}") for i, r in enumerate(runners)]
-    _GC.settle(generation=1)
+    GC_CONTROL.settle(generation=1)
     ticker = asyncio.create_task(_tick(plan.sinks, hub.counts))
     try:
         try:
@@ -473,7 +419,7 @@ async def _follow(core: CoordinatorCore, job_id: str, sinks: Sequence[ProgressSi
                 duration_s=(event.time - begun.time).total_seconds(),
             )
             rounds.append(record)
-            _GC.settle()
+            GC_CONTROL.settle()
             for sink in sinks:
                 sink.round_closed(record)
         elif event.kind == JOB_STATE_CHANGED:

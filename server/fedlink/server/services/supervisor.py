@@ -54,19 +54,17 @@ class JobSupervisor:
         self._wake = asyncio.Event()
 
     def poke(self, job_id: str) -> None:
-        """Tells the job's driver that something happened (an expiry, an abort, a new job), urgently,
-        and has the jobs scanned again."""
-        progress = self._progress.get(job_id)
-        if progress is not None:
-            progress.poke(urgent=True)
+        """Tells the job's driver that the job changed (an abort, a new job), urgently, and has the
+        jobs scanned again."""
+        self.progress(job_id, urgent=True)
         self._wake.set()
 
-    def progress(self, job_id: str) -> None:
-        """Tells the job's driver that a result was recorded (no scan of the jobs: nothing changed
-        in which jobs exist or in what state)."""
+    def progress(self, job_id: str, *, urgent: bool = False) -> None:
+        """Tells the job's driver that its run moved, without a scan of the jobs (which jobs exist
+        and in what state did not change): a result was recorded, or ``urgent``, leases ran out."""
         progress = self._progress.get(job_id)
         if progress is not None:
-            progress.poke()
+            progress.poke(urgent=urgent)
 
     def fold(self, job_id: str) -> RoundFold | None:
         """The in-process fold of the job's open round, if this coordinator drives it."""
