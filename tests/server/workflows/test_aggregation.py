@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fedlink.common.errors import InvalidArgument
-from fedlink.server.workflows.aggregation import WeightedAverage, apply_average, model_spec
+from fedlink.server.workflows.aggregation import WeightedAverage, apply_average, difference, model_spec
 
 
 def _model() -> dict[str, np.ndarray]:
@@ -91,3 +91,32 @@ def test_bad_weights_are_refused(weight: float) -> None:
     avg = WeightedAverage(model_spec(_model()))
     with pytest.raises(InvalidArgument, match="weight"):
         avg.add({"w": np.ones((3, 2), np.float32)}, weight)
+
+
+def test_stepwise_folding_gives_the_bits_of_whole_array_float64_math() -> None:
+    # Sizes around and above the fold's step (65,536 elements), odd shapes, and the dtypes whose
+    # difference is taken natively (float32, float64) or through float64 (float16).
+    rng = np.random.default_rng(11)
+    model: dict[str, np.ndarray] = {
+        "big": rng.standard_normal((3, 70_001)).astype(np.float32),
+        "f64": rng.standard_normal(65_537),
+        "f16": rng.standard_normal(1000).astype(np.float16),
+    }
+    updates = [
+        {
+            k: (v + rng.standard_normal(v.shape).astype(v.dtype) * 0.01).astype(v.dtype)
+            for k, v in model.items()
+        }
+        for _ in range(4)
+    ]
+    weights = [1.0, 3.0, 0.5, 7.0]
+    avg = WeightedAverage(model_spec(model))
+    for update, weight in zip(updates, weights, strict=True):
+        avg.add(update, weight, minus=model)
+    for name, base in model.items():
+        total = np.zeros(base.shape, np.float64)
+        for update, weight in zip(updates, weights, strict=True):
+            diff = np.subtract(update[name], base, dtype=np.float64).astype(base.dtype)
+            total += diff.astype(np.float64) * np.float64(weight)
+        np.testing.assert_array_equal(avg.result()[name], total / sum(weights))
+        assert difference(updates[0][name], base).dtype == base.dtype

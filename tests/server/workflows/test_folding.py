@@ -20,7 +20,7 @@ from fedlink.common.errors import FailedPrecondition
 from fedlink.server.domain import ManualClock, Result, ResultStatus, Task, TaskState
 from fedlink.server.store import SqlStateStore, create_store
 from fedlink.server.workflows.aggregation import apply_average
-from fedlink.server.workflows.folding import RoundFold, as_difference, canonical_order
+from fedlink.server.workflows.folding import RoundFold, canonical_order
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 MODEL = {"w": np.linspace(-1, 1, 1000, dtype=np.float32), "b": np.arange(3, dtype=np.float32)}
@@ -195,21 +195,6 @@ async def test_waiting_for_a_fold_ends_when_folded_or_when_the_fold_stalls(store
     _hand(fold, 3, 0)  # 0, 1 and 2 fold now
     await asyncio.wait_for(waiter, 5.0)
     await fold.folded(_task(0).task_id, patience=30.0)  # folded already: returns at once
-
-
-def test_weights_as_differences_round_like_weight_diffs() -> None:
-    rng = np.random.default_rng(7)
-    base: dict[str, np.ndarray[Any, Any]] = {
-        "f32": rng.standard_normal(10_000).astype(np.float32),
-        "f16": rng.standard_normal(100).astype(np.float16),
-        "f64": rng.standard_normal(100),
-    }
-    update = {k: (v + rng.standard_normal(v.shape).astype(v.dtype)) for k, v in base.items()}
-    got = as_difference(update, base)
-    for name, value in update.items():
-        exact = np.subtract(value, base[name], dtype=np.float64).astype(base[name].dtype)
-        assert got[name].dtype == base[name].dtype
-        np.testing.assert_array_equal(got[name], exact)
 
 
 async def test_a_round_folded_whole_is_not_read_back_unless_the_store_counts_more(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -59,6 +60,28 @@ def check_update(
             raise InvalidArgument(f"the update lacks variables {missing}")
 
 
+#: Elements folded per step: the step's float64 scratch (512 KiB) stays in the CPU's cache, so an
+#: update is read once and the accumulator read and written once, instead of every intermediate
+#: going through memory (half the memory traffic of whole-array steps at 1,000,000 floats).
+_STEP = 1 << 16
+
+
+def difference(value: NDArray[Any], base: NDArray[Any], out: NDArray[Any] | None = None) -> NDArray[Any]:
+    """``value - base`` rounded to ``base``'s dtype: how a WEIGHTS update becomes a difference, so that
+    WEIGHTS and WEIGHT_DIFF results mix.
+
+    Computed in float64 and rounded, except for float32 and float64, whose own subtraction rounds the
+    same (a float32 difference taken in float64 and rounded to float32 is the correctly rounded float32
+    difference: 53 >= 2 * 24 + 2 bits); those are written into ``out`` when given.
+    """
+    result: NDArray[Any]
+    if base.dtype in (np.float32, np.float64):
+        result = np.subtract(value, base, out=out)
+    else:
+        result = np.subtract(value, base, dtype=np.float64).astype(base.dtype)
+    return result
+
+
 class WeightedAverage:
     """Accumulates ``sum(w_i * x_i) / sum(w_i)`` per variable over the updates that carry it.
 
@@ -70,32 +93,57 @@ class WeightedAverage:
         self._spec = dict(spec)
         self._sums: dict[str, NDArray[np.float64]] = {}
         self._weights: dict[str, float] = {}
-        self._scratch: dict[tuple[int, ...], NDArray[np.float64]] = {}
+        self._scratch = np.empty(0, dtype=np.float64)
+        self._differences: dict[np.dtype[Any], NDArray[Any]] = {}
         self.count = 0
 
-    def add(self, update: Mapping[str, NDArray[np.generic]], weight: float, *, checked: bool = False) -> None:
+    def add(
+        self,
+        update: Mapping[str, NDArray[np.generic]],
+        weight: float,
+        *,
+        checked: bool = False,
+        minus: Mapping[str, NDArray[np.generic]] | None = None,
+    ) -> None:
         """Folds one update in with aggregation weight ``weight`` (> 0).
 
-        ``checked`` says the update passed :func:`check_update` against this spec already (every
-        recorded result did, when it was reported): it is not checked again.
+        ``minus``: fold ``update - minus`` (each variable's :func:`difference`), a WEIGHTS update
+        against the model it was trained from. ``checked`` says the update passed
+        :func:`check_update` against this spec already (every recorded result did, when it was
+        reported): it is not checked again.
         """
         if not (weight > 0 and np.isfinite(weight)):
             raise InvalidArgument(f"aggregation weight must be a positive finite number, got {weight}")
         if not checked:
             check_update(update, self._spec)
+        w = np.float64(weight)
         for name, array in update.items():
             total = self._sums.get(name)
             if total is None:
                 total = self._sums[name] = np.zeros(array.shape, dtype=np.float64)
                 self._weights[name] = 0.0
-            scratch = self._scratch.get(array.shape)
-            if scratch is None:
-                scratch = self._scratch[array.shape] = np.empty(array.shape, dtype=np.float64)
-            # In place: one multiply into a reused buffer and one add, no temporaries per update.
-            np.multiply(array, np.float64(weight), out=scratch)  # float64 math, not float32
-            np.add(total, scratch, out=total)
+            flat, sums = array.reshape(-1), total.reshape(-1)
+            base = None if minus is None else minus[name].reshape(-1)
+            for start in range(0, flat.size, _STEP):
+                part = flat[start : start + _STEP]
+                if base is not None:
+                    part = difference(part, base[start : start + _STEP], self._difference_buffer(part))
+                scratch = self._scratch_buffer(part.size)
+                np.multiply(part, w, out=scratch)  # float64 math, not float32
+                np.add(sums[start : start + _STEP], scratch, out=sums[start : start + _STEP])
             self._weights[name] += weight
         self.count += 1
+
+    def _scratch_buffer(self, size: int) -> NDArray[np.float64]:
+        if self._scratch.size < size:
+            self._scratch = np.empty(max(size, min(_STEP, 1 << 20)), dtype=np.float64)
+        return self._scratch[:size]
+
+    def _difference_buffer(self, part: NDArray[Any]) -> NDArray[Any]:
+        buffer = self._differences.get(part.dtype)
+        if buffer is None or buffer.size < part.size:
+            buffer = self._differences[part.dtype] = np.empty(max(part.size, _STEP), dtype=part.dtype)
+        return buffer[: part.size]
 
     def covered(self) -> frozenset[str]:
         """Names of the variables at least one update carried."""

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import numpy as np
 from numpy.typing import NDArray
 
 from fedlink.common.dxo import DXO, DataKind, weight_of
@@ -76,33 +75,6 @@ class MetricAverage:
         return {k: self._sums[k] / self._weights[k] for k in sorted(self._sums)}
 
 
-def as_difference(
-    update: Mapping[str, NDArray[Any]],
-    model: Mapping[str, NDArray[Any]],
-    scratch: dict[str, NDArray[Any]] | None = None,
-) -> dict[str, NDArray[Any]]:
-    """A WEIGHTS update as its difference to ``model``, in the model's dtypes (so WEIGHTS and
-    WEIGHT_DIFF results mix).
-
-    Computed in float64 and rounded to the model's dtype, except for float32 and float64, whose own
-    subtraction rounds the same (a float32 difference taken in float64 and rounded to float32 is the
-    correctly rounded float32 difference: 53 >= 2 * 24 + 2 bits). Those are written into
-    ``scratch``'s buffers when given (kept there per variable, reused by the next call: no fresh
-    pages per update).
-    """
-    out: dict[str, NDArray[Any]] = {}
-    for name, value in update.items():
-        base = model[name]
-        if base.dtype in (np.float32, np.float64):
-            buffer = None if scratch is None else scratch.get(name)
-            if scratch is not None and buffer is None:
-                buffer = scratch[name] = np.empty_like(base)
-            out[name] = np.subtract(value, base, out=buffer)
-        else:
-            out[name] = np.subtract(value, base, dtype=np.float64).astype(base.dtype)
-    return out
-
-
 @dataclass(slots=True)
 class _Held:
     request_id: str
@@ -132,8 +104,6 @@ class RoundFold:
         self._folded_ids: set[str] = set()
         #: The devices of the results folded, in order.
         self._devices: list[str] = []
-        #: Buffers of :func:`as_difference`, one per variable, reused by every fold.
-        self._differences: dict[str, NDArray[Any]] = {}
         #: Callers of :meth:`folded`, by task.
         self._watchers: dict[str, asyncio.Future[None]] = {}
         self._last_fold = 0.0
@@ -214,9 +184,8 @@ class RoundFold:
 
     def _fold_now(self, update: DXO) -> None:
         weight = weight_of(update)
-        is_weights = update.kind is DataKind.WEIGHTS
-        data = as_difference(update.data, self._model, self._differences) if is_weights else update.data
-        self.average.add(data, weight, checked=True)  # the report path validated it
+        minus = self._model if update.kind is DataKind.WEIGHTS else None  # WEIGHTS fold as differences
+        self.average.add(update.data, weight, checked=True, minus=minus)  # the report path validated it
         self.metrics.add(update.meta, weight)
 
     async def folded(self, task_id: str, *, patience: float) -> None:
