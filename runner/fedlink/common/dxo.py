@@ -95,6 +95,10 @@ class DXO:
     items: dict[str, DXO] = field(default_factory=dict)
     encodings: dict[str, TensorEncoding] = field(default_factory=dict)
 
+    def nbytes(self) -> int:
+        """Bytes of the tensor data, this DXO's and its items' (about its serialized size)."""
+        return sum(int(a.nbytes) for a in self.data.values()) + sum(i.nbytes() for i in self.items.values())
+
     def validate(self) -> None:
         """Check the structure (recursively for ``items``); values such as NaN are not checked here.
 

@@ -121,6 +121,18 @@ async def test_folding_as_results_arrive_gives_the_bits_of_folding_them_in_order
         np.testing.assert_array_equal(_model(fold)[name], _model(reference)[name])
     assert fold.metrics.result() == reference.metrics.result()
     assert fold.average.count == n
+    # The float64 sums, where the order of the additions shows in the bits, against the same sums
+    # done here in device order.
+    for name, base in MODEL.items():
+        total, weight = np.zeros(base.shape, np.float64), 0.0
+        for i in range(n):
+            update, w = _update(i), float(1 + 7 * i)
+            diff = update.data[name]
+            if update.kind is DataKind.WEIGHTS:
+                diff = np.subtract(diff, base, dtype=np.float64).astype(base.dtype)
+            total += diff.astype(np.float64) * w
+            weight += w
+        assert fold.average.result()[name].tobytes() == (total / weight).tobytes(), name
 
 
 async def test_a_task_handed_out_with_an_earlier_place_makes_the_fold_start_again(

@@ -538,7 +538,7 @@ class DeviceProtocol:
         limit = self._config.max_result_bytes
         if report.decoded is not None:
             data = report.inline
-            size = len(data) if data is not None else sum(int(a.nbytes) for a in report.decoded.data.values())
+            size = len(data) if data is not None else report.decoded.nbytes()
         elif report.inline is not None:
             data, size = report.inline, len(report.inline)
         elif report.blob_sha256:

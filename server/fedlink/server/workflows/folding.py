@@ -135,7 +135,7 @@ class RoundFold:
             return False
         if task_id in self._folded_ids:
             return False
-        nbytes = sum(int(a.nbytes) for a in update.data.values())
+        nbytes = update.nbytes()
         if self._held_bytes + nbytes > self._budget:
             return False
         self._held[task_id] = _Held(request_id, update, nbytes)
