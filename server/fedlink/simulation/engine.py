@@ -470,17 +470,18 @@ async def _collect(
     model = DXO.from_bytes(await store.blobs.read(run.global_model_sha256))
     participation: dict[int, list[int]] = {i: [] for i in range(plan.num_devices)}
     failures: list[Failure] = []
-    for round_no in range(1, run.round + 1):
-        names = {t.task_id: t.name for t in await store.list_tasks(run.run_id, round=round_no)}
-        for result in await store.list_results(run_id=run.run_id, round=round_no, accepted_only=False):
-            device = index_of.get(result.device_id, -1)
-            name = names.get(result.task_id, "")
-            if result.status is ResultStatus.FAILED:
-                failures.append(
-                    Failure(device=device, round=round_no, task_name=name, cause=result.error_message)
+    for result in await store.result_outlines(run.run_id):
+        device = index_of.get(result.device_id, -1)
+        if result.status is ResultStatus.FAILED:
+            failures.append(
+                Failure(
+                    device=device, round=result.round, task_name=result.task_name, cause=result.error_message
                 )
-            elif result.accepted and name == "train":
-                participation[device].append(round_no)
+            )
+        elif result.accepted and result.task_name == "train":
+            participation[device].append(result.round)
+    for rounds_in in participation.values():
+        rounds_in.sort()
     failures.sort(key=lambda f: (f.round, f.device, f.task_name))
     return SimulationResult(
         model=model,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from types import MappingProxyType
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -17,6 +18,7 @@ from fedlink.server.store.schema import among, devices
 
 #: Device ids per SELECT when reading back a batch enrolment.
 _ENROL_CHUNK = 500
+_NO_INFO: Mapping[str, str] = MappingProxyType({})
 
 
 class DeviceQueries(StoreCore):
@@ -178,6 +180,22 @@ class DeviceQueries(StoreCore):
             rows.encode_page_token(items[-1].enrolled_at, items[-1].device_id) if len(found) > size else ""
         )
         return Page(items=items, next_page_token=token)
+
+    async def online_devices(self, *, with_info: bool) -> list[tuple[str, Mapping[str, str]]]:
+        """Every ONLINE device's id (and device_info if ``with_info``): two columns, not whole rows.
+
+        A round of 10,000 devices samples from all of them; reading and converting whole rows, a page
+        at a time, had cost the round boundary ~0.5 s."""
+        online = devices.c.state == DeviceState.ONLINE.value
+        if not with_info:
+            async with self._db.read() as conn:
+                ids = (await conn.execute(sa.select(devices.c.device_id).where(online))).scalars().all()
+            return [(device_id, _NO_INFO) for device_id in ids]
+        async with self._db.read() as conn:
+            found = (
+                await conn.execute(sa.select(devices.c.device_id, devices.c.device_info).where(online))
+            ).all()
+        return [(device_id, rows.load_map(info)) for device_id, info in found]
 
     async def authenticate_devices(self, credential_hashes: Sequence[str]) -> list[Device | Unauthenticated]:
         """Authenticate many credentials with one read: per hash, in order, its device or the

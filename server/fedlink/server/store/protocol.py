@@ -161,6 +161,18 @@ class RoundSummary:
     next_deadline: datetime | None
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResultOutline:
+    """One recorded result without its payload or times: who reported what, for which round."""
+
+    round: int
+    task_name: str
+    device_id: str
+    status: ResultStatus
+    accepted: bool
+    error_message: str
+
+
 class BlobStore(Protocol):
     """Content-addressed byte strings (sha256), streamed in chunks: never a whole blob in memory."""
 
@@ -297,6 +309,11 @@ class StateStore(Protocol):
         self, *, page_size: int = 100, page_token: str = "", state: DeviceState | None = None
     ) -> Page[Device]:
         """List devices, newest enrollment first."""
+        ...
+
+    async def online_devices(self, *, with_info: bool) -> list[tuple[str, Mapping[str, str]]]:
+        """Every ONLINE device's id, with its device_info if ``with_info`` (else an empty map), in
+        no particular order: what a workflow samples a round's devices from, in one read."""
         ...
 
     # ---- jobs and runs ----
@@ -448,6 +465,10 @@ class StateStore(Protocol):
 
     async def round_summary(self, *, run_id: str, round: int, name: str) -> RoundSummary:
         """Count a round's tasks of one name by what their devices did."""
+        ...
+
+    async def result_outlines(self, run_id: str) -> list[ResultOutline]:
+        """Every result recorded in the run (stale ones too), outlined, in no particular order."""
         ...
 
     async def close_round_tasks(self, *, run_id: str, round: int, name: str) -> int:

@@ -11,7 +11,7 @@ from fedlink.server.domain import Assignment, AssignmentState, ResultStatus, Tas
 from fedlink.server.store import rows
 from fedlink.server.store.claims import drop_offers
 from fedlink.server.store.core import StoreCore
-from fedlink.server.store.protocol import RoundSummary
+from fedlink.server.store.protocol import ResultOutline, RoundSummary
 from fedlink.server.store.schema import assignments, results, task_targets, tasks
 
 # Keeps IN lists well below SQLite's bound-parameter limit.
@@ -79,6 +79,35 @@ class RoundQueries(StoreCore):
             lost_open=int(found[5]),
             next_deadline=found[6],
         )
+
+    async def result_outlines(self, run_id: str) -> list[ResultOutline]:
+        """Every result of the run, six columns each: whole result and task rows of a 10,000-device
+        simulation's three rounds had cost its end 2.4 s."""
+        query = (
+            sa.select(
+                tasks.c.round,
+                tasks.c.name,
+                results.c.device_id,
+                results.c.status,
+                results.c.accepted,
+                results.c.error_message,
+            )
+            .join(tasks, tasks.c.task_id == results.c.task_id)
+            .where(tasks.c.run_id == run_id)
+        )
+        async with self._db.read() as conn:
+            found = (await conn.execute(query)).all()
+        return [
+            ResultOutline(
+                round=round_no,
+                task_name=name,
+                device_id=device_id,
+                status=ResultStatus(status),
+                accepted=bool(accepted),
+                error_message=error_message,
+            )
+            for round_no, name, device_id, status, accepted, error_message in found
+        ]
 
     async def close_round_tasks(self, *, run_id: str, round: int, name: str) -> int:
         """Close every OPEN task of a round of one name in one statement; return how many closed.

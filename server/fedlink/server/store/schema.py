@@ -45,6 +45,35 @@ class UtcDateTime(sa.TypeDecorator[datetime]):
         assert isinstance(value, datetime)
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
+    # SQLite keeps the text SQLAlchemy's DATETIME writes ("YYYY-MM-DD HH:MM:SS.ffffff"). Composed, the
+    # hooks above and DATETIME's own processors cost ~3.5 us per value written and ~1.5 us per value
+    # read, in the store's thread that holds the GIL: a round of 10,000 devices writes and reads
+    # hundreds of thousands. These make the same text, and read it, in one C call each.
+    def bind_processor(self, dialect: Dialect) -> Any:
+        if dialect.name != "sqlite":
+            return super().bind_processor(dialect)
+        return _sqlite_datetime_text
+
+    def result_processor(self, dialect: Dialect, coltype: Any) -> Any:
+        if dialect.name != "sqlite":
+            return super().result_processor(dialect, coltype)
+        return _sqlite_datetime_value
+
+
+def _sqlite_datetime_text(value: datetime | None) -> str | None:
+    if value is None:
+        return None
+    if value.tzinfo is not UTC:
+        if value.tzinfo is None:
+            raise ValueError("fedlink stores only timezone-aware datetimes")
+        value = value.astimezone(UTC)
+    return value.replace(tzinfo=None).isoformat(" ", "microseconds")
+
+
+def _sqlite_datetime_value(value: str | None) -> datetime | None:
+    # fromisoformat also reads the shorter text SQLite's CURRENT_TIMESTAMP writes.
+    return None if value is None else datetime.fromisoformat(value).replace(tzinfo=UTC)
+
 
 def state_is(column: sa.ColumnElement[str], *states: str) -> sa.ColumnElement[bool]:
     """A state test with the states as SQL literals, in the order given.

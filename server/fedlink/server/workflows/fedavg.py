@@ -32,7 +32,6 @@ from fedlink.common.errors import FailedPrecondition, InvalidArgument
 from fedlink.server.domain import (
     Assignment,
     AssignmentState,
-    DeviceState,
     Result,
     ResultStatus,
     Task,
@@ -40,7 +39,7 @@ from fedlink.server.domain import (
 )
 from fedlink.server.protocol.device import selector_matches
 from fedlink.server.protocol.results import EVALUATE_TASK, TRAIN_TASK
-from fedlink.server.store import NewTask, all_items
+from fedlink.server.store import NewTask
 from fedlink.server.workflows.aggregation import apply_average
 from fedlink.server.workflows.base import WorkflowContext
 from fedlink.server.workflows.folding import MetricAverage, RoundFold, canonical_order
@@ -353,10 +352,8 @@ class FedAvg:
 
     async def _eligible(self, ctx: WorkflowContext) -> list[str]:
         selector = ctx.job.device_selector
-        online = await all_items(
-            lambda token: ctx.store.list_devices(page_size=1000, page_token=token, state=DeviceState.ONLINE)
-        )
-        return [d.device_id for d in online if selector_matches(selector, d.device_info)]
+        online = await ctx.store.online_devices(with_info=bool(selector))
+        return [device_id for device_id, info in online if selector_matches(selector, info)]
 
     async def _start_wave(
         self,
