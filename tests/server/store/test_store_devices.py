@@ -79,3 +79,16 @@ async def test_authenticate_many_answers_each_hash_in_order(store: SqlStateStore
     assert isinstance(answers[1], Unauthenticated) and "unknown" in answers[1].message
     assert isinstance(answers[2], Unauthenticated) and b.device_id in answers[2].message
     assert "revoked" in answers[2].message
+
+
+async def test_online_devices_lists_ids_and_info_when_asked(store: SqlStateStore, clock: ManualClock) -> None:
+    made = [await store.enroll_device({"os": f"os{i}"}, {"user": "u"}, f"h{i}") for i in range(4)]
+    await store.revoke_device(made[1].device_id)
+    clock.advance(timedelta(minutes=10))
+    await store.touch_devices([made[0].device_id, made[3].device_id], clock.now())
+    assert await store.mark_offline(older_than=clock.now() - timedelta(minutes=5)) == 1  # made[2]
+    with_info = sorted(await store.online_devices(with_info=True))
+    expected = sorted([made[0], made[3]], key=lambda d: d.device_id)
+    assert with_info == [(d.device_id, d.device_info) for d in expected]
+    without = sorted(await store.online_devices(with_info=False))
+    assert without == [(d.device_id, {}) for d in expected]

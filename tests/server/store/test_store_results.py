@@ -162,3 +162,25 @@ async def test_results_of_a_round_come_in_device_order(world: World) -> None:
     in_round = await world.store.list_results(run_id=world.run.run_id, round=3)
     assert [r.device_id for r in in_round] == sorted(a.device_id for a in assignments[:3])
     assert len(await world.store.list_results(run_id=world.run.run_id)) == 5
+
+
+async def test_result_outlines_say_who_reported_what_in_which_round(world: World) -> None:
+    await world.tasks(1, slots=2, round=1)
+    await world.tasks(1, slots=1, round=2)
+    ok, failed, late = await claim(world, 0), await claim(world, 1), await claim(world, 2)
+    await world.store.record_result(report(ok), world.clock.now())
+    await world.store.record_result(
+        report(failed, status=ResultStatus.FAILED, payload=None), world.clock.now()
+    )
+    world.clock.advance(LEASE * 2)  # the round-2 report comes after its lease ran out: stale
+    await world.store.record_result(report(late), world.clock.now())
+    outlines = sorted(await world.store.result_outlines(world.run.run_id), key=lambda o: o.round)
+    seen = [(o.round, o.task_name, o.device_id, o.status, o.accepted, o.error_message) for o in outlines]
+    ids = [d.device_id for d in world.devices]
+    round_one = sorted(seen[:2], key=lambda s: ids.index(s[2]))
+    assert round_one == [
+        (1, "train", ids[0], ResultStatus.SUCCEEDED, True, ""),
+        (1, "train", ids[1], ResultStatus.FAILED, False, "executor failed"),
+    ]
+    assert seen[2] == (2, "train", ids[2], ResultStatus.SUCCEEDED, False, "")
+    assert await world.store.result_outlines("0" * 32) == []

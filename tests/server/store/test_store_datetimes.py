@@ -1,0 +1,58 @@
+"""SQLite keeps datetimes as the text SQLAlchemy's DATETIME writes; fedlink's faster processors keep it."""
+
+from __future__ import annotations
+
+import sqlite3
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.dialects import sqlite
+
+from fedlink.server.domain import ManualClock
+from fedlink.server.store import open_store
+from fedlink.server.store.schema import UtcDateTime
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        datetime(2026, 11, 30, 14, 5, 6, 789012, tzinfo=UTC),
+        datetime(2026, 1, 1, tzinfo=UTC),  # no microseconds: still six digits
+        datetime(2026, 1, 1, 5, 30, tzinfo=timezone(timedelta(hours=2))),  # stored as UTC
+        datetime(1, 1, 1, tzinfo=UTC),
+    ],
+)
+def test_sqlite_text_is_what_sqlalchemy_datetime_writes(value: datetime) -> None:
+    dialect = sqlite.dialect()
+    ours = UtcDateTime().dialect_impl(dialect)
+    plain = sa.DateTime().dialect_impl(dialect).bind_processor(dialect)
+    assert plain is not None
+    text = ours.bind_processor(dialect)(value)
+    assert text == plain(value.astimezone(UTC).replace(tzinfo=None))
+    back = ours.result_processor(dialect, None)(text)
+    assert back == value and back.tzinfo is UTC
+
+
+def test_sqlite_refuses_naive_and_reads_short_text() -> None:
+    dialect = sqlite.dialect()
+    ours = UtcDateTime().dialect_impl(dialect)
+    with pytest.raises(ValueError, match="timezone-aware"):
+        ours.bind_processor(dialect)(datetime(2026, 1, 1))
+    # SQLite's own CURRENT_TIMESTAMP text has no fraction.
+    assert ours.result_processor(dialect, None)("2026-01-02 03:04:05") == datetime(
+        2026, 1, 2, 3, 4, 5, tzinfo=UTC
+    )
+    assert ours.bind_processor(dialect)(None) is None and ours.result_processor(dialect, None)(None) is None
+
+
+async def test_a_store_file_keeps_sortable_utc_text(tmp_path: Path) -> None:
+    clock = ManualClock(datetime(2026, 3, 4, 5, 6, 7, 8, tzinfo=UTC))
+    path = tmp_path / "fedlink.db"
+    async with open_store(f"sqlite+aiosqlite:///{path}", clock=clock, auto_migrate=True) as store:
+        device = await store.enroll_device({}, {}, "h")
+        assert (await store.get_device(device.device_id)).enrolled_at == clock.now()
+    with sqlite3.connect(path) as conn:
+        (text,) = conn.execute("SELECT enrolled_at FROM devices").fetchone()
+    assert text == "2026-03-04 05:06:07.000008"
