@@ -14,6 +14,20 @@ from fedlink.server.domain import ManualClock
 from fedlink.server.store import open_store
 from fedlink.server.store.schema import UtcDateTime
 
+_SQLITE = sqlite.dialect()
+
+
+def _to_text(value: datetime | None) -> object:
+    process = UtcDateTime().dialect_impl(_SQLITE).bind_processor(_SQLITE)
+    assert process is not None
+    return process(value)
+
+
+def _from_text(text: object) -> object:
+    process = UtcDateTime().dialect_impl(_SQLITE).result_processor(_SQLITE, None)
+    assert process is not None
+    return process(text)
+
 
 @pytest.mark.parametrize(
     "value",
@@ -25,26 +39,20 @@ from fedlink.server.store.schema import UtcDateTime
     ],
 )
 def test_sqlite_text_is_what_sqlalchemy_datetime_writes(value: datetime) -> None:
-    dialect = sqlite.dialect()
-    ours = UtcDateTime().dialect_impl(dialect)
-    plain = sa.DateTime().dialect_impl(dialect).bind_processor(dialect)
+    plain = sa.DateTime().dialect_impl(_SQLITE).bind_processor(_SQLITE)
     assert plain is not None
-    text = ours.bind_processor(dialect)(value)
+    text = _to_text(value)
     assert text == plain(value.astimezone(UTC).replace(tzinfo=None))
-    back = ours.result_processor(dialect, None)(text)
-    assert back == value and back.tzinfo is UTC
+    back = _from_text(text)
+    assert back == value and isinstance(back, datetime) and back.tzinfo is UTC
 
 
 def test_sqlite_refuses_naive_and_reads_short_text() -> None:
-    dialect = sqlite.dialect()
-    ours = UtcDateTime().dialect_impl(dialect)
     with pytest.raises(ValueError, match="timezone-aware"):
-        ours.bind_processor(dialect)(datetime(2026, 1, 1))
+        _to_text(datetime(2026, 1, 1))
     # SQLite's own CURRENT_TIMESTAMP text has no fraction.
-    assert ours.result_processor(dialect, None)("2026-01-02 03:04:05") == datetime(
-        2026, 1, 2, 3, 4, 5, tzinfo=UTC
-    )
-    assert ours.bind_processor(dialect)(None) is None and ours.result_processor(dialect, None)(None) is None
+    assert _from_text("2026-01-02 03:04:05") == datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    assert _to_text(None) is None and _from_text(None) is None
 
 
 async def test_a_store_file_keeps_sortable_utc_text(tmp_path: Path) -> None:
