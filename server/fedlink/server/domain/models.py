@@ -1,6 +1,6 @@
 """The values the state store hands out: frozen snapshots of devices, jobs, runs, tasks and results.
 
-Times are timezone-aware UTC datetimes. Ids are uuid4 hex strings. JSON fields (``spec_json``,
+Times are timezone-aware UTC datetimes. Ids are UUIDv7 hex strings (see ``ids``). JSON fields (``spec_json``,
 ``job_data``, ``metrics_json``, ``payload_json``) are opaque strings owned by the layer that writes them.
 """
 
