@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+
 import pytest
 
 from fedlink.common.errors import InvalidArgument, PermissionDenied
@@ -48,3 +51,11 @@ def test_a_cookie_for_another_job_is_refused() -> None:
     data = signer.sign(Cookie(device_id="d1", job_id="j2"))
     with pytest.raises(InvalidArgument, match="j2"):
         signer.verify(data, device_id="d1", job_id="j1")
+
+
+@pytest.mark.parametrize("key_bytes", [16, 32, 64, 65, 200])
+def test_the_mac_is_standard_hmac_sha256_for_any_key_length(key_bytes: int) -> None:
+    key = hashlib.shake_256(b"cookie key").digest(key_bytes)  # longer than a block: hashed first
+    cookie = CookieSigner(key).sign(Cookie(device_id="d", job_id="j", assignment_id="a"))
+    body, mac = cookie[:-32], cookie[-32:]
+    assert mac == hmac.digest(key, body, "sha256")
