@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import sqlalchemy as sa
 
@@ -159,7 +159,9 @@ class _ResultStatements:
         self.move_many = (
             sa.update(assignments).where(ids).values(state=target).returning(assignments.c.assignment_id)
         )
-        self.insert = insert.returning(results)
+        # Only which rows went in: the Result is what was written (reading every column back had cost
+        # the report path a datetime parse and a row conversion per result).
+        self.insert = insert.returning(results.c.assignment_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,8 +202,23 @@ def _plan(index: int, report: ResultReport, row: sa.Row[Any], now: datetime) -> 
     return _Plan(index=index, report=report, target=target, row=values)
 
 
-def _recorded(row: sa.Row[Any]) -> RecordOutcome:
-    result = rows.result(row)
+def _recorded(plan: _Plan) -> RecordOutcome:
+    """The outcome of a report whose result row (``plan.row``) was inserted."""
+    values = plan.row
+    result = Result(
+        result_id=str(values["result_id"]),
+        assignment_id=plan.report.assignment_id,
+        task_id=str(values["task_id"]),
+        device_id=plan.report.device_id,
+        status=plan.report.status,
+        payload_sha256=cast("str | None", values["payload_sha256"]),
+        report_digest=plan.report.report_digest,
+        error_message=plan.report.error_message,
+        accepted=bool(values["accepted"]),
+        stale=bool(values["stale"]),
+        request_id=plan.report.request_id,
+        created_at=cast(datetime, values["created_at"]),
+    )
     outcome = ReportOutcome.STALE if result.stale else ReportOutcome.ACCEPTED
     return RecordOutcome(outcome=outcome, result=result, duplicate=False)
 
@@ -284,7 +301,7 @@ def _write(
     if writes:
         for row in conn.execute(statements.insert, writes):
             plan = plans[row.assignment_id]
-            outcomes[plan.index] = _recorded(row)
+            outcomes[plan.index] = _recorded(plan)
 
 
 def _record_one(
@@ -307,5 +324,5 @@ def _record_one(
                 continue  # another report or the reaper got there first: judge again
         inserted = conn.execute(statements.insert, [plan.row]).first()
         if inserted is not None:
-            return _recorded(inserted)
+            return _recorded(plan)
     raise Conflict(f"assignment {report.assignment_id} changed while its result was being recorded")
