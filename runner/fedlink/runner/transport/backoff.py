@@ -10,6 +10,14 @@ from fedlink.common.errors import InvalidArgument
 
 __all__ = ["Backoff"]
 
+#: The jitter's source unless a Backoff is given its own. Seeding a random.Random reads the OS's
+#: entropy and fills 2.5 KB of state: one per Backoff had cost a simulation ~0.3 s per 10,000 devices.
+_SHARED_RNG = random.Random()
+
+
+def _shared_rng() -> random.Random:
+    return _SHARED_RNG
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Backoff:
@@ -28,7 +36,7 @@ class Backoff:
     """Growth of the ceiling per failed attempt."""
     retry_after_jitter: float = 0.2
     """A coordinator's ``retry_after`` is stretched by up to this fraction, never shortened."""
-    rng: random.Random = field(default_factory=random.Random, compare=False, repr=False)
+    rng: random.Random = field(default_factory=_shared_rng, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.base <= timedelta(0) or self.cap < self.base:
