@@ -190,13 +190,19 @@ class FedAvg:
         model_sha = run.global_model_sha256 or ctx.job.initial_model_sha256
         if model_sha is None:
             raise InvalidArgument("the job has no initial model")
+        model: DXO | None = None  # read from the store for the first round; then the one just made
         for round_no in range(run.round + 1, self.params.num_rounds + 1):
             # Only the first round may be resumed; the later ones start here, with no tasks yet.
-            model_sha = await self._round(ctx, round_no, model_sha, fresh=round_no > run.round + 1)
+            fresh = round_no > run.round + 1
+            model_sha, model = await self._round(ctx, round_no, model_sha, model, fresh=fresh)
 
     # ---- one round ----
-    async def _round(self, ctx: WorkflowContext, round_no: int, model_sha: str, *, fresh: bool) -> str:
-        global_model = DXO.from_bytes(await ctx.store.blobs.read(model_sha))
+    async def _round(
+        self, ctx: WorkflowContext, round_no: int, model_sha: str, model: DXO | None, *, fresh: bool
+    ) -> tuple[str, DXO]:
+        """Runs one round on the global model ``model_sha`` (``model``, if the caller has it decoded);
+        returns the new global model, stored and decoded."""
+        global_model = model if model is not None else DXO.from_bytes(await ctx.store.blobs.read(model_sha))
         fold = RoundFold(global_model.data, budget_bytes=_FOLD_AHEAD_BYTES)
         ctx.progress.fold = fold
         try:
@@ -230,7 +236,7 @@ class FedAvg:
             ctx.job, "round_closed", round_no, {"num_results": fold.average.count, "metrics": metrics}
         )
         log.info("round closed", extra={"job_id": ctx.job.job_id, "round": round_no, **metrics})
-        return new_ref.sha256
+        return new_ref.sha256, new_model
 
     async def _succeeded(self, ctx: WorkflowContext, round_no: int, name: str) -> list[Result]:
         """The closed round's results to aggregate, in canonical order (as :meth:`_view` has them,
