@@ -20,7 +20,9 @@ import threading
 from collections.abc import Iterator
 
 #: Allocations (net of frees) between two collections of the young generation while quiet (CPython: 700).
-YOUNG_THRESHOLD = 20_000
+#: At 20,000 a 10,000-device simulation spent 2.9 s of ~33 s collecting (1.5 s at 100,000), with no
+#: change in peak memory at 1,000 devices x 1,000,000 floats.
+YOUNG_THRESHOLD = 100_000
 
 
 class GcControl:
