@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
@@ -64,3 +65,18 @@ async def test_a_store_file_keeps_sortable_utc_text(tmp_path: Path) -> None:
     with sqlite3.connect(path) as conn:
         (text,) = conn.execute("SELECT enrolled_at FROM devices").fetchone()
     assert text == "2026-03-04 05:06:07.000008"
+
+
+def test_repeated_and_alternating_values_convert_right_across_threads() -> None:
+    base = datetime(2026, 5, 6, 7, 8, 9, tzinfo=UTC)
+    values = [base + timedelta(microseconds=i % 7) for i in range(2_000)]
+
+    def convert(offset: int) -> bool:
+        for value in values[offset:] + values[:offset]:
+            text = _to_text(value)
+            if text != value.replace(tzinfo=None).isoformat(" ", "microseconds") or _from_text(text) != value:
+                return False
+        return True
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        assert all(pool.map(convert, [0, 1, 3, 5, 0, 2, 4, 6]))

@@ -60,19 +60,41 @@ class UtcDateTime(sa.TypeDecorator[datetime]):
         return _sqlite_datetime_value
 
 
+# The last value converted each way, as one tuple (swapped whole: the event loop and the store's
+# threads convert concurrently). A batch binds the same ``now`` or deadline in every row, and a round's
+# rows read back the same few texts: most conversions repeat the one before.
+_last_text: tuple[datetime | None, str | None] = (None, None)
+_last_value: tuple[str | None, datetime | None] = (None, None)
+
+
 def _sqlite_datetime_text(value: datetime | None) -> str | None:
+    global _last_text
     if value is None:
         return None
-    if value.tzinfo is not UTC:
-        if value.tzinfo is None:
-            raise ValueError("fedlink stores only timezone-aware datetimes")
-        value = value.astimezone(UTC)
-    return value.replace(tzinfo=None).isoformat(" ", "microseconds")
+    last = _last_text
+    if last[0] is value:
+        return last[1]
+    if value.tzinfo is UTC:
+        text = value.replace(tzinfo=None).isoformat(" ", "microseconds")
+    elif value.tzinfo is None:
+        raise ValueError("fedlink stores only timezone-aware datetimes")
+    else:
+        text = value.astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
+    _last_text = (value, text)
+    return text
 
 
 def _sqlite_datetime_value(value: str | None) -> datetime | None:
+    global _last_value
+    if value is None:
+        return None
+    last = _last_value
+    if last[0] == value:
+        return last[1]
     # fromisoformat also reads the shorter text SQLite's CURRENT_TIMESTAMP writes.
-    return None if value is None else datetime.fromisoformat(value).replace(tzinfo=UTC)
+    converted = datetime.fromisoformat(value).replace(tzinfo=UTC)
+    _last_value = (value, converted)
+    return converted
 
 
 def state_is(column: sa.ColumnElement[str], *states: str) -> sa.ColumnElement[bool]:
