@@ -30,6 +30,7 @@ entry is a class or factory called as ``factory(**args)``, or a :class:`Componen
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 from abc import ABC, abstractmethod
@@ -113,7 +114,8 @@ class ResolverRegistry:
 
     def merged(self, overrides: ResolverRegistry | None) -> ResolverRegistry:
         """A new registry: these entries, then ``overrides``' entries replacing any of the same name."""
-        result = ResolverRegistry(self._entries)
+        result = ResolverRegistry()
+        result._entries = dict(self._entries)  # both were checked as they were registered
         if overrides is not None:
             result._entries.update(overrides._entries)
         return result
@@ -177,11 +179,8 @@ def process_job_data(
             a duplicate name, a constructor that rejects its args, or a filter/executor/handler
             reference to a component of the wrong kind. The message names the offending entry.
     """
-    # Imported here: the built-ins import the spec, and the spec must not import the config.
-    from fedlink.runner.builtins import builtin_registry
-
     doc = _parse(job_data)
-    resolvers = builtin_registry().merged(registry)
+    resolvers = _builtins().merged(registry)
     specs = _component_specs(doc.get("components"))
     components: dict[str, object] = {}
     for spec in _dependency_order(specs):
@@ -308,12 +307,33 @@ def _build(spec: _Spec, resolvers: ResolverRegistry, built: Mapping[str, object]
         raise JobConfigError(f"{where} rejected its args: {exc}") from exc
 
 
+@functools.cache
+def _builtins() -> ResolverRegistry:
+    """The built-in types, checked once (``merged`` copies them: this one is never changed)."""
+    # Imported here: the built-ins import the spec, and the spec must not import the config.
+    from fedlink.runner.builtins import builtin_registry
+
+    return builtin_registry()
+
+
+@functools.lru_cache(maxsize=1024)
+def _signature_of(factory: Factory) -> inspect.Signature | None:
+    # Cached per factory: a class without an __init__ of its own has its signature parsed from text
+    # (tokenize, compile), ~100 us, and a simulation builds each device's components (10,000 times).
+    try:
+        return inspect.signature(factory)
+    except (TypeError, ValueError):  # some builtins and C types have no signature
+        return None
+
+
 def _check_signature(factory: Factory, args: Mapping[str, Any], where: str) -> None:
     # Binding first turns "__init__() got an unexpected keyword argument" into a message naming
     # the component, and keeps TypeErrors raised inside a constructor distinguishable.
     try:
-        signature = inspect.signature(factory)
-    except (TypeError, ValueError):  # some builtins and C types have no signature
+        signature = _signature_of(factory)
+    except TypeError:  # an unhashable factory: not cached
+        signature = _signature_of.__wrapped__(factory)
+    if signature is None:
         return
     try:
         signature.bind(**args)
