@@ -20,6 +20,8 @@ _VERSION = 1
 MAX_COOKIE_BYTES = 1024
 #: One encoder for every cookie (``json.dumps`` with separators builds a new one per call).
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+#: And one decoder, given text: ``json.loads`` of bytes first sniffs their encoding (3x the time).
+_DECODE = json.JSONDecoder().decode
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,8 +73,8 @@ class CookieSigner:
         if not hmac.compare_digest(mac, self._mac(body)):
             raise InvalidArgument("the cookie's signature does not match: this coordinator did not issue it")
         try:
-            version, dev, job, assignment = json.loads(body)
-        except (ValueError, TypeError) as exc:
+            version, dev, job, assignment = _DECODE(body.decode())
+        except (ValueError, TypeError) as exc:  # UnicodeDecodeError is a ValueError
             raise InvalidArgument("the cookie is malformed") from exc
         if version != _VERSION:
             raise InvalidArgument(f"cookie version {version} is not supported")
