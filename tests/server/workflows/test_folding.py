@@ -209,6 +209,20 @@ async def test_waiting_for_a_fold_ends_when_folded_or_when_the_fold_stalls(store
     await fold.folded(_task(0).task_id, patience=30.0)  # folded already: returns at once
 
 
+async def test_a_cancelled_waiter_does_not_end_another_wait_for_the_same_result(store: SqlStateStore) -> None:
+    fold = RoundFold(MODEL, budget_bytes=1 << 30)
+    fold.expect([_task(i) for i in range(2)], [_device(i) for i in range(2)])
+    _hand(fold, 2, 1)  # waits behind device 0
+    first = asyncio.create_task(fold.folded(_task(1).task_id, patience=30.0))
+    second = asyncio.create_task(fold.folded(_task(1).task_id, patience=30.0))
+    await asyncio.sleep(0.01)
+    first.cancel()
+    await asyncio.sleep(0.01)
+    assert first.cancelled() and not second.done()
+    _hand(fold, 2, 0)  # 0 and 1 fold now
+    await asyncio.wait_for(second, 5.0)
+
+
 async def test_a_round_folded_whole_is_not_read_back_unless_the_store_counts_more(
     store: SqlStateStore,
 ) -> None:

@@ -105,7 +105,7 @@ class RoundFold:
         #: The devices of the results folded, in order.
         self._devices: list[str] = []
         #: Callers of :meth:`folded`, by task.
-        self._watchers: dict[str, asyncio.Future[None]] = {}
+        self._watchers: dict[str, list[asyncio.Future[None]]] = {}
         self._last_fold = 0.0
         #: One timer for every caller of :meth:`folded` (lets them all go if the fold stalls).
         self._stall_timer: asyncio.TimerHandle | None = None
@@ -175,9 +175,9 @@ class RoundFold:
             self._folded_ids.add(task_id)
             self._devices.append(self._keys[task_id][1])
             self._last_fold = asyncio.get_running_loop().time()
-            watcher = self._watchers.pop(task_id, None)
-            if watcher is not None and not watcher.done():
-                watcher.set_result(None)
+            for watcher in self._watchers.pop(task_id, ()):
+                if not watcher.done():
+                    watcher.set_result(None)
 
     async def _fold(self, update: DXO) -> None:
         if self._elements > _THREAD_ELEMENTS:
@@ -201,9 +201,9 @@ class RoundFold:
         if task_id not in self._held or self._closing:
             return
         loop = asyncio.get_running_loop()
-        watcher = self._watchers.get(task_id)
-        if watcher is None:
-            watcher = self._watchers[task_id] = loop.create_future()
+        # A future per caller: a caller that is cancelled cancels its own only.
+        watcher: asyncio.Future[None] = loop.create_future()
+        self._watchers.setdefault(task_id, []).append(watcher)
         self._last_fold = max(self._last_fold, loop.time())
         self._patience = patience
         if self._stall_timer is None:
@@ -225,9 +225,10 @@ class RoundFold:
         self._release_watchers()
 
     def _release_watchers(self) -> None:
-        for watcher in self._watchers.values():
-            if not watcher.done():
-                watcher.set_result(None)
+        for watchers in self._watchers.values():
+            for watcher in watchers:
+                if not watcher.done():
+                    watcher.set_result(None)
         self._watchers.clear()
         if self._stall_timer is not None:
             self._stall_timer.cancel()
