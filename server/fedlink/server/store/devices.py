@@ -186,15 +186,12 @@ class DeviceQueries(StoreCore):
 
         A round of 10,000 devices samples from all of them; reading and converting whole rows, a page
         at a time, had cost the round boundary ~0.5 s."""
-        online = devices.c.state == DeviceState.ONLINE.value
-        if not with_info:
-            async with self._db.read() as conn:
-                ids = (await conn.execute(sa.select(devices.c.device_id).where(online))).scalars().all()
-            return [(device_id, _NO_INFO) for device_id in ids]
+        columns = (devices.c.device_id, devices.c.device_info) if with_info else (devices.c.device_id,)
+        query = sa.select(*columns).where(devices.c.state == DeviceState.ONLINE.value)
         async with self._db.read() as conn:
-            found = (
-                await conn.execute(sa.select(devices.c.device_id, devices.c.device_info).where(online))
-            ).all()
+            found = (await conn.execute(query)).all()
+        if not with_info:
+            return [(row[0], _NO_INFO) for row in found]
         return [(device_id, rows.load_map(info)) for device_id, info in found]
 
     async def authenticate_devices(self, credential_hashes: Sequence[str]) -> list[Device | Unauthenticated]:

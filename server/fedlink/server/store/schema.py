@@ -74,12 +74,10 @@ def _sqlite_datetime_text(value: datetime | None) -> str | None:
     last = _last_text
     if last[0] is value:
         return last[1]
-    if value.tzinfo is UTC:
-        text = value.replace(tzinfo=None).isoformat(" ", "microseconds")
-    elif value.tzinfo is None:
+    if value.tzinfo is None:
         raise ValueError("fedlink stores only timezone-aware datetimes")
-    else:
-        text = value.astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
+    utc = value if value.tzinfo is UTC else value.astimezone(UTC)
+    text = utc.replace(tzinfo=None).isoformat(" ", "microseconds")
     _last_text = (value, text)
     return text
 
