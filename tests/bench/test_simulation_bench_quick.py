@@ -83,3 +83,14 @@ def test_targets_are_judged_from_the_ratios() -> None:
         "10000x10k_under_30s": False,
     }
     assert sim_bench.pair(fedlink, {**flower, "ok": False})["wall_ratio"] is None
+
+
+def test_the_target_size_is_judged_by_its_median_run_and_any_failure_fails_it() -> None:
+    runs = [{"ok": True, "wall_s": w} for w in (31.0, 22.0, 25.0)]
+    chosen = sim_bench.median_run(runs)
+    assert chosen["wall_s"] == 25.0 and chosen["wall_s_runs"] == [31.0, 22.0, 25.0]
+    assert sim_bench.targets([], chosen)["10000x10k_under_30s"] is True
+    slow = sim_bench.median_run([{"ok": True, "wall_s": w} for w in (29.0, 31.0, 33.0)])
+    assert slow["wall_s"] == 31.0 and sim_bench.targets([], slow)["10000x10k_under_30s"] is False
+    failed = sim_bench.median_run([*runs[:2], {"ok": False, "wall_s": 5.0, "error": "timed out"}])
+    assert failed["ok"] is False and sim_bench.targets([], failed)["10000x10k_under_30s"] is False
