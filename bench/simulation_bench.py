@@ -287,7 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"\nfedlink {target_devices} devices x {TARGET_FLOATS} floats x {args.rounds} rounds: "
             f"median {_num(target_run.get('wall_s'), '.1f')} s of "
-            f"{', '.join(_num(w, '.1f') for w in target_run['wall_s_runs'])} (target < {TARGET_WALL_S:.0f} s), "
+            f"{', '.join(_num(w, '.1f') for w in target_run['wall_s_runs'])} "
+            f"(target < {TARGET_WALL_S:.0f} s), "
             f"peak RSS {_num(target_run.get('peak_rss_mb'), '.0f')} MB"
             + ("" if target_run["ok"] else f", FAILED: {target_run.get('error')}")
         )

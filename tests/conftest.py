@@ -7,7 +7,13 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import hypothesis  # noqa: F401  (see below)
 import pytest
+
+# Imported up front: hypothesis's pytest plugin imports it at the end of the session when no test did,
+# and on CPython 3.11.7 compiling it then failed with "AST constructor recursion depth mismatch" (left
+# by an earlier RecursionError in the run), ending a run of a subset of the suite with a traceback
+# instead of its summary.
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ from fedlink.server.protocol.cookies import CookieSigner
 from fedlink.server.protocol.device import DeviceProtocol, DeviceProtocolConfig, ResultListener
 from fedlink.server.protocol.events import JobEvents
 from fedlink.server.protocol.notify import LocalTaskNotifier
+from fedlink.server.protocol.reads import KnownTasks
 from fedlink.server.protocol.results import ModelTaskValidator
 from fedlink.server.services.maintenance import Maintenance
 from fedlink.server.services.supervisor import JobSupervisor
@@ -144,6 +145,7 @@ class CoordinatorCore:
         self._store = store
         key = await store.get_or_create_signing_key()
         notifier = LocalTaskNotifier()
+        known_tasks = KnownTasks()  # the workflows' new tasks, for the device protocol's answers
         events = JobEvents(store)
         owner = coordinator_id(s.data_dir)
         supervisor = JobSupervisor(
@@ -154,6 +156,7 @@ class CoordinatorCore:
             owner=owner,
             poll_seconds=self._poll,
             round_check_seconds=self._round_check,
+            known_tasks=known_tasks,
         )
         self.supervisor = supervisor
         self._device = DeviceProtocol(
@@ -174,6 +177,7 @@ class CoordinatorCore:
             ),
             listener=_PokeSupervisor(supervisor),
             on_outcome=self._on_result_outcome,
+            known_tasks=known_tasks,
         )
         self._control = ControlProtocol(
             store,

@@ -44,15 +44,13 @@ from fedlink.server.protocol.batching import Batcher
 from fedlink.server.protocol.cookies import Cookie, CookieSigner
 from fedlink.server.protocol.notify import TaskNotifier
 from fedlink.server.protocol.possession import require_held
-from fedlink.server.protocol.reads import JobReads, remember
+from fedlink.server.protocol.reads import JobReads, KnownTasks, remember
 from fedlink.server.protocol.results import ResultValidator
 from fedlink.server.protocol.shared import SharedReads
 from fedlink.server.store import ClaimRequest, RecordOutcome, ResultReport, StateStore
 
 #: Task payloads kept in memory (a few global models: the current round's and the last ones).
 _PAYLOAD_CACHE = 4
-#: Tasks kept in memory: a round's worth for many thousands of devices.
-_TASK_CACHE = 100_000
 #: Assignments handed out by this coordinator kept in memory (for the report's ownership check).
 _ASSIGNMENT_CACHE = 100_000
 #: Uncached tasks in one claim batch from which the whole round's tasks are read at once.
@@ -233,6 +231,7 @@ class DeviceProtocol:
         config: DeviceProtocolConfig,
         listener: ResultListener | None = None,
         on_outcome: Callable[[str], None] | None = None,
+        known_tasks: KnownTasks | None = None,
     ) -> None:
         self._store = store
         self._signer = signer
@@ -259,7 +258,7 @@ class DeviceProtocol:
         )
         self._seen: set[str] = set()
         self._payloads = SharedReads(self._read_payload, _PAYLOAD_CACHE)
-        self._tasks: dict[str, Task] = {}
+        self._tasks = known_tasks if known_tasks is not None else KnownTasks()
         self._prefetched_rounds: set[tuple[str, int]] = set()
         self._assignments: dict[str, Assignment] = {}
         self._accepting = True
@@ -415,8 +414,7 @@ class DeviceProtocol:
         if key in self._prefetched_rounds:
             return
         self._prefetched_rounds.add(key)
-        for other in await self._store.list_tasks(task.run_id, round=task.round):
-            remember(self._tasks, other.task_id, other, _TASK_CACHE)
+        self._tasks.add(await self._store.list_tasks(task.run_id, round=task.round))
 
     async def _task_reply(self, device: Device, job_id: str, assignment: Assignment) -> TaskReply:
         task = await self._task(assignment.task_id)
@@ -429,12 +427,11 @@ class DeviceProtocol:
         )
 
     async def _task(self, task_id: str) -> Task:
-        # What the protocol reads of a task (name, payload, job) never changes; its state is checked
-        # by the store where it matters (claims, reports), so a cached copy saves a read per call.
+        # A known copy saves a read per call (see KnownTasks).
         task = self._tasks.get(task_id)
         if task is None:
             task = await self._store.get_task(task_id)
-            remember(self._tasks, task_id, task, _TASK_CACHE)
+            self._tasks.add([task])
         return task
 
     async def _payload(self, sha256: str) -> TaskPayload:

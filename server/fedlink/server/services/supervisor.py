@@ -15,6 +15,7 @@ from fedlink.common.errors import FedlinkError, InvalidArgument, NotFound
 from fedlink.server.domain import Clock, Job, JobState, Run, RunLeaseHeld, RunState, is_final
 from fedlink.server.protocol.events import JobEvents
 from fedlink.server.protocol.notify import TaskNotifier
+from fedlink.server.protocol.reads import KnownTasks
 from fedlink.server.store import StateStore, all_items
 from fedlink.server.workflows.base import Progress, WorkflowContext, workflow_name
 from fedlink.server.workflows.fedavg import FedAvg, FedAvgParams
@@ -38,8 +39,11 @@ class JobSupervisor:
         scan_seconds: float = 2.0,
         poll_seconds: float = 1.0,
         round_check_seconds: float | None = None,
+        known_tasks: KnownTasks | None = None,
     ) -> None:
         self._store = store
+        #: Shared with this process's device protocol: the tasks the workflows create.
+        self._known_tasks = known_tasks if known_tasks is not None else KnownTasks()
         self._clock = clock
         self._notifier = notifier
         self._events = events
@@ -130,6 +134,7 @@ class JobSupervisor:
                 events=self._events,
                 job=job,
                 run=run,
+                known_tasks=self._known_tasks,
             )
             checks = (
                 {} if self._round_check_seconds is None else {"min_check_seconds": self._round_check_seconds}

@@ -30,6 +30,7 @@ from fedlink.server.domain import (
     new_id,
 )
 from fedlink.server.store import rows
+from fedlink.server.store.bulk import insert_new_rows
 from fedlink.server.store.protocol import ClaimRequest
 from fedlink.server.store.schema import assignments, state_is, task_offers, tasks
 
@@ -210,7 +211,7 @@ class ClaimStatements:
         )
         self.anything = sa.select(sa.or_(self.held.exists(), targeted.exists(), untargeted.exists()))
         self.targeted_many = self._targeted_many_lateral() if lateral else self._targeted_many()
-        self.insert_many = insert.returning(assignments)
+        self.insert = insert
 
     def batch_params(self, pairs: Sequence[Pair], now: datetime) -> dict[str, Any]:
         """The bind parameters of held_many and targeted_many for these (device, job) pairs."""
@@ -326,7 +327,7 @@ def _claim_chunk(
 
     expires = now + lease
     picks: dict[str, Pair] = {}
-    new_rows: list[dict[str, object]] = []
+    new_rows: list[dict[str, Any]] = []
     for device_id, task_id, job_id, slot in conn.execute(statements.targeted_many, ids):
         pair = (device_id, job_id)
         if pair in wanted and pair not in served:
@@ -344,9 +345,11 @@ def _claim_chunk(
                     "created_at": now,
                 }
             )
-    if new_rows:
-        for row in conn.execute(statements.insert_many, new_rows):
-            served[picks[row.assignment_id]] = rows.assignment(row)
+    # Built from what was written: reading the rows back (RETURNING) costs a step per row.
+    went_in = insert_new_rows(conn, statements.insert, assignments.c.assignment_id, new_rows)
+    for made in new_rows:
+        if made["assignment_id"] in went_in:
+            served[picks[made["assignment_id"]]] = _leased(made)
 
     picked = set(picks.values())
     untargeted_jobs: dict[str, bool] = {}
@@ -375,6 +378,20 @@ def _claim_chunk(
             else None
         )
     return served
+
+
+def _leased(row: dict[str, Any]) -> Assignment:
+    """The Assignment an ``assignments`` row just inserted as LEASED stands for."""
+    return Assignment(
+        assignment_id=row["assignment_id"],
+        task_id=row["task_id"],
+        job_id=row["job_id"],
+        device_id=row["device_id"],
+        slot=row["slot"],
+        state=AssignmentState.LEASED,
+        lease_expires_at=row["lease_expires_at"],
+        created_at=row["created_at"],
+    )
 
 
 def claim_one(

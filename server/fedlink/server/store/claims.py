@@ -28,6 +28,7 @@ from fedlink.server.domain import (
     transition_task,
 )
 from fedlink.server.store import rows
+from fedlink.server.store.bulk import insert_rows
 from fedlink.server.store.claiming import ClaimStatements, claim_batch
 from fedlink.server.store.core import StoreCore
 from fedlink.server.store.protocol import ClaimRequest, NewTask
@@ -125,10 +126,9 @@ class ClaimQueries(StoreCore):
         # wait, and each statement's hops had cost the round boundary ~0.1-0.3 s at 1,000 devices.
         # The tasks are what was inserted: not read back (a round's 1,000 rows cost ~30 ms to read).
         def work(conn: sa.Connection) -> None:
-            conn.execute(sa.insert(tasks), task_rows)
-            if target_rows:
-                conn.execute(sa.insert(task_targets), target_rows)
-                conn.execute(sa.insert(task_offers), offer_rows)
+            insert_rows(conn, tasks, task_rows)
+            insert_rows(conn, task_targets, target_rows)
+            insert_rows(conn, task_offers, offer_rows)
 
         await self._db.write_sync(work)
         return made

@@ -13,6 +13,7 @@ from fedlink.common.errors import Conflict, FedlinkError, InvalidArgument, NotFo
 from fedlink.server.domain import AssignmentState, ReportOutcome, Result, ResultStatus, TaskState, new_id
 from fedlink.server.store import rows
 from fedlink.server.store.blobs import SqlBlobStore
+from fedlink.server.store.bulk import insert_new_rows
 from fedlink.server.store.core import StoreCore
 from fedlink.server.store.protocol import RecordOutcome, ResultReport
 from fedlink.server.store.schema import among, assignments, results, state_is, tasks
@@ -159,9 +160,10 @@ class _ResultStatements:
         self.move_many = (
             sa.update(assignments).where(ids).values(state=target).returning(assignments.c.assignment_id)
         )
-        # Only which rows went in: the Result is what was written (reading every column back had cost
-        # the report path a datetime parse and a row conversion per result).
-        self.insert = insert.returning(results.c.assignment_id)
+        # The results' INSERT ... ON CONFLICT DO NOTHING: insert_new_rows says which went in by their
+        # fresh result ids, and the Result is what was written (reading rows back had cost the report
+        # path a row conversion, and on SQLite a GIL hand-off, per result).
+        self.insert = insert
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,9 +300,9 @@ def _write(
         # so this is a guard only): those are judged again.
         lost.update(a for a in moving if a not in moved)
     writes = [p.row for a, p in plans.items() if a not in lost]
-    if writes:
-        for row in conn.execute(statements.insert, writes):
-            plan = plans[row.assignment_id]
+    went_in = insert_new_rows(conn, statements.insert, results.c.result_id, writes)
+    for assignment_id, plan in plans.items():
+        if plan.row["result_id"] in went_in and assignment_id not in lost:
             outcomes[plan.index] = _recorded(plan)
 
 
@@ -322,7 +324,6 @@ def _record_one(
             moved = conn.execute(statements.move_one, {**params, "target": plan.target.value})
             if moved.rowcount != 1:
                 continue  # another report or the reaper got there first: judge again
-        inserted = conn.execute(statements.insert, [plan.row]).first()
-        if inserted is not None:
+        if insert_new_rows(conn, statements.insert, results.c.result_id, [plan.row]):
             return _recorded(plan)
     raise Conflict(f"assignment {report.assignment_id} changed while its result was being recorded")

@@ -60,38 +60,44 @@ class UtcDateTime(sa.TypeDecorator[datetime]):
         return _sqlite_datetime_value
 
 
-# The last value converted each way, as one tuple (swapped whole: the event loop and the store's
-# threads convert concurrently). A batch binds the same ``now`` or deadline in every row, and a round's
-# rows read back the same few texts: most conversions repeat the one before.
-_last_text: tuple[datetime | None, str | None] = (None, None)
-_last_value: tuple[str | None, datetime | None] = (None, None)
+# The last two values converted each way, as one tuple (swapped whole: the event loop and the store's
+# threads convert concurrently). A batch binds the same ``now`` and deadline in every row, and a round's
+# rows read back the same few texts: most conversions repeat one of the two before (a row with two
+# timestamps alternates between them).
+_last_texts: tuple[datetime | None, str | None, datetime | None, str | None] = (None, None, None, None)
+_last_values: tuple[str | None, datetime | None, str | None, datetime | None] = (None, None, None, None)
 
 
 def _sqlite_datetime_text(value: datetime | None) -> str | None:
-    global _last_text
+    global _last_texts
     if value is None:
         return None
-    last = _last_text
-    if last[0] is value:
+    last = _last_texts
+    # Equal instants make equal text, whatever their time zones (a naive value equals no aware one).
+    if last[0] == value:
         return last[1]
+    if last[2] == value:
+        return last[3]
     if value.tzinfo is None:
         raise ValueError("fedlink stores only timezone-aware datetimes")
     utc = value if value.tzinfo is UTC else value.astimezone(UTC)
     text = utc.replace(tzinfo=None).isoformat(" ", "microseconds")
-    _last_text = (value, text)
+    _last_texts = (value, text, last[0], last[1])
     return text
 
 
 def _sqlite_datetime_value(value: str | None) -> datetime | None:
-    global _last_value
+    global _last_values
     if value is None:
         return None
-    last = _last_value
+    last = _last_values
     if last[0] == value:
         return last[1]
+    if last[2] == value:
+        return last[3]
     # fromisoformat also reads the shorter text SQLite's CURRENT_TIMESTAMP writes.
     converted = datetime.fromisoformat(value).replace(tzinfo=UTC)
-    _last_value = (value, converted)
+    _last_values = (value, converted, last[0], last[1])
     return converted
 
 

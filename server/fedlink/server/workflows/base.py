@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fedlink.server.domain import Clock, Job, Run
 from fedlink.server.protocol.notify import TaskNotifier
+from fedlink.server.protocol.reads import KnownTasks
 from fedlink.server.store import StateStore
 from fedlink.server.workflows.folding import RoundFold
 
@@ -69,6 +70,8 @@ class WorkflowContext:
     events: EventSink
     job: Job
     run: Run
+    #: Where the tasks the workflow creates go for the device protocol of this process (see KnownTasks).
+    known_tasks: KnownTasks = field(default_factory=KnownTasks)
 
 
 class Workflow(Protocol):

@@ -424,6 +424,7 @@ class FedAvg:
         )
         if name == TRAIN_TASK and ctx.progress.fold is not None:
             ctx.progress.fold.expect(created, devices)
+        ctx.known_tasks.add(created)  # the devices' claims are answered without reading them back
         ctx.notifier.notify(ctx.job.job_id, devices)
 
     async def _replace_lost(
