@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from fedlink.server.app import Coordinator
+from fedlink.server.domain import Task
 from fedlink.v1 import control_service_pb2 as cpb
 from fedlink.v1 import control_service_pb2_grpc as cgrpc
 from fedlink.v1 import dxo_pb2, states_pb2
@@ -100,3 +101,39 @@ async def test_fedavg_two_rounds_gives_the_exact_weighted_average(coordinator: C
         got = read_tensor(final.data[name])
         assert got.tobytes() == value.tobytes(), name
     assert sorted(seen) == sorted((d.device_id, r) for d in devices for r in (1, 2))
+
+
+async def test_a_rounds_tasks_are_known_to_the_device_protocol_before_any_device_asks(
+    coordinator: Coordinator,
+) -> None:
+    assert coordinator.endpoint is not None and coordinator.core is not None
+    core = coordinator.core
+    admin = (("authorization", f"Bearer {coordinator.admin_token}"),)
+    async with grpc.aio.insecure_channel(coordinator.endpoint.address) as channel:
+        control: cgrpc.ControlServiceAsyncStub = cgrpc.ControlServiceStub(channel)
+        devices = [await StubDevice(channel).enroll() for _ in range(3)]
+        sha = await upload_model(control, weights_dxo({"w": np.zeros(4, np.float32)}), admin)
+        spec = cpb.JobSpec(name="known", initial_model=dxo_pb2.BlobRef(sha256=sha))
+        spec.fedavg.num_rounds = 1
+        spec.fedavg.round_timeout.FromSeconds(30)
+        submitted = await control.SubmitJob(cpb.SubmitJobRequest(spec=spec, request_id="r-k"), metadata=admin)
+        for device in devices:  # seen online (sampling picks among online devices); no task asked for
+            offered = await device.get_job("known")
+            while offered.status != rpb.RUNNER_STATUS_OK:
+                await asyncio.sleep(0.05)
+                offered = await device.get_job("known")
+        tasks: list[Task] = []
+        for _ in range(200):
+            try:
+                run = await core.store.get_current_run(submitted.job.job_id)
+                tasks = list(await core.store.list_tasks(run.run_id, round=1))
+            except Exception:  # no run yet
+                tasks = []
+            if len(tasks) == len(devices):
+                break
+            await asyncio.sleep(0.05)
+    assert len(tasks) == len(devices)
+    # The workflow handed its new tasks over as it created them: no device has claimed, so nothing
+    # else could have read them in.
+    for task in tasks:
+        assert core.known_tasks.get(task.task_id) == task

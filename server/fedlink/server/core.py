@@ -101,6 +101,8 @@ class CoordinatorCore:
         self._store: SqlStateStore | None = None
         self._device: DeviceProtocol | None = None
         self._control: ControlProtocol | None = None
+        #: The tasks this coordinator's workflows created, shared with its device protocol.
+        self.known_tasks = KnownTasks()
         #: Called with a device id when an operator revokes it (e.g. to evict credential caches).
         self.on_device_revoked: list[Callable[[str], None]] = []
 
@@ -145,7 +147,6 @@ class CoordinatorCore:
         self._store = store
         key = await store.get_or_create_signing_key()
         notifier = LocalTaskNotifier()
-        known_tasks = KnownTasks()  # the workflows' new tasks, for the device protocol's answers
         events = JobEvents(store)
         owner = coordinator_id(s.data_dir)
         supervisor = JobSupervisor(
@@ -156,7 +157,7 @@ class CoordinatorCore:
             owner=owner,
             poll_seconds=self._poll,
             round_check_seconds=self._round_check,
-            known_tasks=known_tasks,
+            known_tasks=self.known_tasks,
         )
         self.supervisor = supervisor
         self._device = DeviceProtocol(
@@ -177,7 +178,7 @@ class CoordinatorCore:
             ),
             listener=_PokeSupervisor(supervisor),
             on_outcome=self._on_result_outcome,
-            known_tasks=known_tasks,
+            known_tasks=self.known_tasks,
         )
         self._control = ControlProtocol(
             store,
