@@ -427,7 +427,33 @@ async def run(cfg: Config, workdir: Path, partial: Path | None = None) -> dict[s
         report["idle"] = await idle_polls(cfg, workdir)
     report["checks"] = _all_checks(report)
     report["ok"] = all(report["checks"].values())
+    report["targets"] = targets(report)
     return report
+
+
+#: Issue 3's targets.
+THROUGHPUT_RATIO_TARGET = 0.5
+DELIVERY_RATIO_TARGET = 0.5
+PEAK_TO_MODEL_TARGET = 2.0
+#: Below this model size the coordinator's own baseline memory (~100 MiB) dominates: not judged.
+MEMORY_JUDGED_FROM_BYTES = 256 * MiB
+
+
+def targets(report: dict[str, Any]) -> dict[str, bool | None]:
+    """Which of issue 3's targets the figures meet (None: not measured, or too small to judge)."""
+    met: dict[str, bool | None] = {"throughput_half_of_echo": None, "delivery_half_of_raw": None}
+    measured = [r["ratio_to_echo"] for r in report.get("throughput", {}).values() if "ratio_to_echo" in r]
+    if measured:
+        met["throughput_half_of_echo"] = min(measured) >= THROUGHPUT_RATIO_TARGET
+    met["peak_memory_under_2x_model"] = None
+    if "download" in report:
+        c = report["download"]["coordinator"]
+        met["delivery_half_of_raw"] = c["ratio_to_raw"] >= DELIVERY_RATIO_TARGET
+        if c["model_bytes"] >= MEMORY_JUDGED_FROM_BYTES:
+            # The whole run's peak: the upload, the round's start and the downloads.
+            peak = max(c["coordinator_peak_before_download_mib"], c["coordinator_peak_during_download_mib"])
+            met["peak_memory_under_2x_model"] = peak * MiB < PEAK_TO_MODEL_TARGET * c["model_bytes"]
+    return met
 
 
 def _all_checks(report: dict[str, Any]) -> dict[str, bool]:
@@ -499,6 +525,12 @@ def format_report(report: dict[str, Any]) -> str:
             f"{i['without_pollers']['rss_mib']:,.0f} MiB); "
             f"polls answered in the window: {i['completed_polls']}"
         )
+    lines.append(
+        "targets: "
+        + ", ".join(
+            f"{k}={'-' if v is None else ('met' if v else 'MISSED')}" for k, v in report["targets"].items()
+        )
+    )
     failed = [name for name, passed in report["checks"].items() if not passed]
     lines.append("checks: all passed" if not failed else f"checks FAILED: {', '.join(failed)}")
     return "\n".join(lines)

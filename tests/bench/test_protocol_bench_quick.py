@@ -85,3 +85,41 @@ def test_hand_written_model_bytes_are_what_protobuf_serializes() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=100)
     assert done.returncode == 0 and done.stdout.strip() == "same", done.stdout + done.stderr
+
+
+def test_targets_are_judged_from_the_figures() -> None:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from bench.protocol_bench import MiB, targets
+
+    model = 1024 * MiB
+    delivery = {
+        "ratio_to_raw": 0.7,
+        "model_bytes": model,
+        "coordinator_peak_before_download_mib": 300.0,
+        "coordinator_peak_during_download_mib": 1500.0,
+    }
+    report = {
+        "throughput": {"echo": {"calls_per_s": 7000.0}, "sqlite": {"ratio_to_echo": 0.55}},
+        "download": {"coordinator": delivery},
+    }
+    assert targets(report) == {
+        "throughput_half_of_echo": True,
+        "delivery_half_of_raw": True,
+        "peak_memory_under_2x_model": True,
+    }
+    report["throughput"]["postgres"] = {"ratio_to_echo": 0.3}  # every backend must make it
+    delivery["coordinator_peak_before_download_mib"] = 4217.0  # a peak before the downloads counts
+    delivery["ratio_to_raw"] = 0.4
+    assert targets(report) == {
+        "throughput_half_of_echo": False,
+        "delivery_half_of_raw": False,
+        "peak_memory_under_2x_model": False,
+    }
+    delivery["model_bytes"] = MiB  # the quick mode's model: too small to judge memory by
+    assert targets(report)["peak_memory_under_2x_model"] is None
+    assert targets({}) == {
+        "throughput_half_of_echo": None,
+        "delivery_half_of_raw": None,
+        "peak_memory_under_2x_model": None,
+    }

@@ -19,8 +19,8 @@ from fedlink.common.dxo import DXO, DataKind, MetaKey
 from fedlink.common.errors import FailedPrecondition
 from fedlink.server.domain import ManualClock, Result, ResultStatus, Task, TaskState
 from fedlink.server.store import SqlStateStore, create_store
-from fedlink.server.workflows.aggregation import apply_average
-from fedlink.server.workflows.folding import RoundFold, canonical_order
+from fedlink.server.workflows.aggregation import apply_average, model_spec
+from fedlink.server.workflows.folding import LazyModel, RoundFold, canonical_order
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 MODEL = {"w": np.linspace(-1, 1, 1000, dtype=np.float32), "b": np.arange(3, dtype=np.float32)}
@@ -252,3 +252,56 @@ async def test_a_round_folded_whole_is_not_read_back_unless_the_store_counts_mor
     assert partial.devices() == [_device(i) for i in range(n)]
     for name in MODEL:
         np.testing.assert_array_equal(_model(partial)[name], _model(reference)[name])
+
+
+async def test_a_lazy_model_is_loaded_only_for_a_weights_result_and_once() -> None:
+    loads = 0
+
+    async def load() -> dict[str, np.ndarray]:
+        nonlocal loads
+        loads += 1
+        await asyncio.sleep(0.01)  # the two WEIGHTS results below must share this load
+        return MODEL
+
+    later = T0 + timedelta(seconds=1)
+    # In canonical order: devices 1 and 3 (WEIGHT_DIFF), then 0 and 2 (WEIGHTS, handed out later).
+    order = [(_task(1), 1), (_task(3), 3), (_task(0, later), 0), (_task(2, later), 2)]
+    lazy = RoundFold(LazyModel(model_spec(MODEL), load), budget_bytes=1 << 30)
+    eager = RoundFold(MODEL, budget_bytes=1 << 30)
+    for fold in (lazy, eager):
+        fold.expect([t for t, _ in order], [_device(i) for _, i in order])
+
+    def hand(fold: RoundFold, i: int) -> None:
+        assert fold.reserve(_task(i).task_id, f"request-{i}", _update(i))
+        fold.settle(_task(i).task_id, f"request-{i}", accepted=True)
+
+    for i in (1, 3):
+        hand(lazy, i)
+    await asyncio.sleep(0.05)
+    assert lazy.average.count == 2 and loads == 0 and lazy.model.loaded is None  # folded without it
+    for i in (0, 2):
+        hand(lazy, i)
+    for i in (1, 3, 0, 2):
+        hand(eager, i)
+    await asyncio.sleep(0.1)
+    for fold in (lazy, eager):
+        assert await fold.finish_if_all_folded(4)
+    assert loads == 1 and lazy.model.loaded is MODEL
+    for name in MODEL:
+        assert lazy.average.result()[name].tobytes() == eager.average.result()[name].tobytes()
+
+
+async def test_a_failed_model_load_is_tried_again() -> None:
+    attempts = 0
+
+    async def load() -> dict[str, np.ndarray]:
+        nonlocal attempts
+        attempts += 1
+        if attempts == 1:
+            raise OSError("blob store unavailable")
+        return MODEL
+
+    model = LazyModel(model_spec(MODEL), load)
+    with pytest.raises(OSError, match="unavailable"):
+        await model.arrays()
+    assert await model.arrays() is MODEL and attempts == 2

@@ -21,11 +21,13 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from fedlink.common.dxo import DXO, DataKind, MetaKey, weight_of
 from fedlink.common.errors import FailedPrecondition, InvalidArgument
@@ -38,11 +40,12 @@ from fedlink.server.domain import (
     TaskState,
 )
 from fedlink.server.protocol.device import selector_matches
+from fedlink.server.protocol.model_specs import ModelOutlines
 from fedlink.server.protocol.results import EVALUATE_TASK, TRAIN_TASK
 from fedlink.server.store import NewTask
 from fedlink.server.workflows.aggregation import apply_average
 from fedlink.server.workflows.base import WorkflowContext
-from fedlink.server.workflows.folding import MetricAverage, RoundFold, canonical_order
+from fedlink.server.workflows.folding import LazyModel, MetricAverage, RoundFold, canonical_order
 
 log = logging.getLogger(__name__)
 
@@ -202,8 +205,7 @@ class FedAvg:
     ) -> tuple[str, DXO]:
         """Runs one round on the global model ``model_sha`` (``model``, if the caller has it decoded);
         returns the new global model, stored and decoded."""
-        global_model = model if model is not None else DXO.from_bytes(await ctx.store.blobs.read(model_sha))
-        fold = RoundFold(global_model.data, budget_bytes=_FOLD_AHEAD_BYTES)
+        fold = RoundFold(await self._global_model(ctx, model_sha, model), budget_bytes=_FOLD_AHEAD_BYTES)
         ctx.progress.fold = fold
         try:
             await self._collect(ctx, round_no, TRAIN_TASK, model_sha, fresh=fresh)
@@ -216,7 +218,7 @@ class FedAvg:
             ctx.progress.fold = None
         new_model = DXO(
             kind=DataKind.WEIGHTS,
-            data=dict(apply_average(global_model.data, fold.average, is_diff=True)),
+            data=dict(apply_average(await fold.model.arrays(), fold.average, is_diff=True)),
             # The version a trainer sees next round: it seeds the shuffling, so rounds differ.
             meta={MetaKey.MODEL_VERSION: round_no, "round_results": fold.average.count},
         )
@@ -237,6 +239,18 @@ class FedAvg:
         )
         log.info("round closed", extra={"job_id": ctx.job.job_id, "round": round_no, **metrics})
         return new_ref.sha256, new_model
+
+    @staticmethod
+    async def _global_model(ctx: WorkflowContext, model_sha: str, model: DXO | None) -> LazyModel:
+        """The round's model: the one just made, or the stored one, read only once it is needed (a
+        model of a GiB decoded up front sat in memory while the devices downloaded it)."""
+        if model is not None:
+            return LazyModel.of(model.data)
+
+        async def load() -> Mapping[str, NDArray[Any]]:
+            return DXO.from_bytes(await ctx.store.blobs.read(model_sha)).data
+
+        return LazyModel(await ModelOutlines(ctx.store.blobs).spec(model_sha), load)
 
     async def _succeeded(self, ctx: WorkflowContext, round_no: int, name: str) -> list[Result]:
         """The closed round's results to aggregate, in canonical order (as :meth:`_view` has them,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -35,7 +35,7 @@ from numpy.typing import NDArray
 from fedlink.common.dxo import DXO, DataKind, weight_of
 from fedlink.common.errors import FailedPrecondition
 from fedlink.server.domain import Result, Task
-from fedlink.server.workflows.aggregation import WeightedAverage, model_spec
+from fedlink.server.workflows.aggregation import VariableSpec, WeightedAverage, model_spec
 
 #: Updates with more elements than this are folded in a worker thread (numpy releases the GIL), so the
 #: event loop goes on serving devices meanwhile. Smaller ones (up to ~30 ms of work) are folded on the
@@ -46,6 +46,48 @@ _THREAD_ELEMENTS = 1 << 24
 
 #: Canonical place of a result: (its task's creation time, its device id).
 OrderKey = tuple[datetime, str]
+
+
+class LazyModel:
+    """A round's global model, its spec known up front and its arrays loaded the first time they are needed.
+
+    A model of a GiB decoded at the start of a round would sit in memory while devices download it; the
+    round needs the arrays only to fold a WEIGHTS result (as its difference to the model) and to apply
+    the average at the close. Concurrent askers share one load.
+    """
+
+    def __init__(
+        self, spec: Mapping[str, VariableSpec], load: Callable[[], Awaitable[Mapping[str, NDArray[Any]]]]
+    ) -> None:
+        self.spec = dict(spec)
+        self._load = load
+        self._loading: asyncio.Future[Mapping[str, NDArray[Any]]] | None = None
+        #: The arrays, once loaded.
+        self.loaded: Mapping[str, NDArray[Any]] | None = None
+
+    @classmethod
+    def of(cls, arrays: Mapping[str, NDArray[Any]]) -> LazyModel:
+        """A model already in memory."""
+
+        async def loaded() -> Mapping[str, NDArray[Any]]:
+            return arrays
+
+        model = cls(model_spec(arrays), loaded)
+        model.loaded = arrays
+        return model
+
+    async def arrays(self) -> Mapping[str, NDArray[Any]]:
+        """The model's arrays (loaded now if no one asked before)."""
+        if self.loaded is not None:
+            return self.loaded
+        if self._loading is None:
+            self._loading = asyncio.ensure_future(self._load())
+        try:
+            self.loaded = await asyncio.shield(self._loading)
+        except Exception:
+            self._loading = None  # a failed load is tried again by the next asker
+            raise
+        return self.loaded
 
 
 def canonical_order(results: Sequence[Result], tasks: Mapping[str, Task]) -> list[Result]:
@@ -86,14 +128,15 @@ class _Held:
 class RoundFold:
     """One round's running aggregate of train results (see the module docstring).
 
-    ``model`` is the round's global model: WEIGHTS results are folded as their difference to it.
+    ``model`` is the round's global model (arrays, or a :class:`LazyModel`): WEIGHTS results are folded
+    as their difference to it.
     """
 
-    def __init__(self, model: Mapping[str, NDArray[Any]], *, budget_bytes: int) -> None:
-        self._model = model
-        self._spec = model_spec(model)
+    def __init__(self, model: Mapping[str, NDArray[Any]] | LazyModel, *, budget_bytes: int) -> None:
+        self.model = model if isinstance(model, LazyModel) else LazyModel.of(model)
+        self._spec = self.model.spec
         self._budget = budget_bytes
-        self._elements = sum(int(a.size) for a in model.values())
+        self._elements = sum(math.prod(spec.shape) for spec in self._spec.values())
         self.average = WeightedAverage(self._spec)
         self.metrics = MetricAverage()
         #: The tasks handed out by this driver, in canonical order.
@@ -180,14 +223,16 @@ class RoundFold:
                     watcher.set_result(None)
 
     async def _fold(self, update: DXO) -> None:
+        minus = None  # WEIGHTS fold as their difference to the model (no await once it is loaded)
+        if update.kind is DataKind.WEIGHTS:
+            minus = self.model.loaded if self.model.loaded is not None else await self.model.arrays()
         if self._elements > _THREAD_ELEMENTS:
-            await asyncio.to_thread(self._fold_now, update)
+            await asyncio.to_thread(self._fold_now, update, minus)
         else:
-            self._fold_now(update)
+            self._fold_now(update, minus)
 
-    def _fold_now(self, update: DXO) -> None:
+    def _fold_now(self, update: DXO, minus: Mapping[str, NDArray[Any]] | None) -> None:
         weight = weight_of(update)
-        minus = self._model if update.kind is DataKind.WEIGHTS else None  # WEIGHTS fold as differences
         self.average.add(update.data, weight, checked=True, minus=minus)  # the report path validated it
         self.metrics.add(update.meta, weight)
 
