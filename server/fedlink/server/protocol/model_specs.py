@@ -39,15 +39,24 @@ class ModelOutlines:
 
     async def spec(self, sha256: str) -> dict[str, VariableSpec]:
         """Each variable's shape and dtype, as the decoded model's arrays would have them."""
-        outline = await self.outline(sha256)
-        return {
-            name: VariableSpec(tensor.shape, tensor.decoded_dtype) for name, tensor in outline.tensors.items()
-        }
+        return spec_of(await self.outline(sha256))
 
     async def _read(self, sha256: str) -> DxoOutline:
-        blob = await self._blobs.stat(sha256)
+        return await read_blob_outline(self._blobs, sha256)
 
-        def open_at(offset: int) -> AsyncIterator[bytes]:
-            return self._blobs.iter_chunks(sha256, offset)
 
-        return await read_outline(open_at, blob.size_bytes)
+async def read_blob_outline(blobs: BlobStore, sha256: str) -> DxoOutline:
+    """The outline of the DXO stored as blob ``sha256``, streamed in the caller's task (not kept)."""
+    blob = await blobs.stat(sha256)
+
+    def open_at(offset: int) -> AsyncIterator[bytes]:
+        return blobs.iter_chunks(sha256, offset)
+
+    return await read_outline(open_at, blob.size_bytes)
+
+
+def spec_of(outline: DxoOutline) -> dict[str, VariableSpec]:
+    """Each variable's shape and dtype, as the decoded model's arrays would have them."""
+    return {
+        name: VariableSpec(tensor.shape, tensor.decoded_dtype) for name, tensor in outline.tensors.items()
+    }

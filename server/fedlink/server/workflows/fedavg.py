@@ -40,7 +40,7 @@ from fedlink.server.domain import (
     TaskState,
 )
 from fedlink.server.protocol.device import selector_matches
-from fedlink.server.protocol.model_specs import ModelOutlines
+from fedlink.server.protocol.model_specs import read_blob_outline, spec_of
 from fedlink.server.protocol.results import EVALUATE_TASK, TRAIN_TASK
 from fedlink.server.store import NewTask
 from fedlink.server.workflows.aggregation import apply_average
@@ -250,7 +250,8 @@ class FedAvg:
         async def load() -> Mapping[str, NDArray[Any]]:
             return DXO.from_bytes(await ctx.store.blobs.read(model_sha)).data
 
-        return LazyModel(await ModelOutlines(ctx.store.blobs).spec(model_sha), load)
+        # Read in this task (no shared, detached read): a driver cancelled meanwhile leaves nothing behind.
+        return LazyModel(spec_of(await read_blob_outline(ctx.store.blobs, model_sha)), load)
 
     async def _succeeded(self, ctx: WorkflowContext, round_no: int, name: str) -> list[Result]:
         """The closed round's results to aggregate, in canonical order (as :meth:`_view` has them,

@@ -53,7 +53,8 @@ class LazyModel:
 
     A model of a GiB decoded at the start of a round would sit in memory while devices download it; the
     round needs the arrays only to fold a WEIGHTS result (as its difference to the model) and to apply
-    the average at the close. Concurrent askers share one load.
+    the average at the close. Concurrent askers share one load, made in the first asker's task (a
+    cancelled asker leaves no read running behind it; the next one loads again).
     """
 
     def __init__(
@@ -61,7 +62,7 @@ class LazyModel:
     ) -> None:
         self.spec = dict(spec)
         self._load = load
-        self._loading: asyncio.Future[Mapping[str, NDArray[Any]]] | None = None
+        self._loading = asyncio.Lock()
         #: The arrays, once loaded.
         self.loaded: Mapping[str, NDArray[Any]] | None = None
 
@@ -80,14 +81,10 @@ class LazyModel:
         """The model's arrays (loaded now if no one asked before)."""
         if self.loaded is not None:
             return self.loaded
-        if self._loading is None:
-            self._loading = asyncio.ensure_future(self._load())
-        try:
-            self.loaded = await asyncio.shield(self._loading)
-        except Exception:
-            self._loading = None  # a failed load is tried again by the next asker
-            raise
-        return self.loaded
+        async with self._loading:
+            if self.loaded is None:
+                self.loaded = await self._load()  # a failed load is tried again by the next asker
+            return self.loaded
 
 
 def canonical_order(results: Sequence[Result], tasks: Mapping[str, Task]) -> list[Result]:
