@@ -109,7 +109,7 @@ class RoundQueries(StoreCore):
         ]
 
     async def close_round_tasks(self, *, run_id: str, round: int, name: str) -> int:
-        """Close every OPEN task of a round of one name in one statement; return how many closed.
+        """Close every OPEN task of a round of one name (and withdraw their offers); return how many closed.
 
         Later reports for them are recorded as stale: the round has moved on.
         """
