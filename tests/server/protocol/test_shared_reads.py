@@ -73,3 +73,62 @@ async def test_one_cancelled_asker_does_not_cancel_the_read_for_the_others() -> 
     gate.set()
     assert await second == "a"
     assert first.cancelled()
+
+
+async def test_the_read_runs_in_an_askers_task_and_a_waiter_takes_over_when_it_is_cancelled() -> None:
+    started: list[asyncio.Task[object] | None] = []
+    gate = asyncio.Event()
+
+    async def read(key: str) -> str:
+        started.append(asyncio.current_task())
+        await gate.wait()
+        return key.upper()
+
+    shared = SharedReads(read, size=2)
+    first = asyncio.ensure_future(shared.get("a"))
+    second = asyncio.ensure_future(shared.get("a"))
+    await asyncio.sleep(0)
+    assert started == [first]  # no task of its own: nothing is left running once the askers are gone
+    first.cancel()
+    for _ in range(10):  # the cancellation reaches the waiter a few loop turns later
+        await asyncio.sleep(0)
+    assert started == [first, second]  # the waiter read it again, in its own task
+    gate.set()
+    assert await second == "A"
+    assert first.cancelled()
+    assert await shared.get("a") == "A" and len(started) == 2  # and the answer is kept
+
+
+async def test_a_cancelled_lone_asker_leaves_no_task_and_no_answer_behind() -> None:
+    async def read(key: str) -> str:
+        await asyncio.sleep(3600)
+        return key
+
+    shared = SharedReads(read, size=2)
+    asker = asyncio.ensure_future(shared.get("a"))
+    await asyncio.sleep(0)
+    asker.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asker
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+
+
+async def test_a_failed_read_fails_its_waiters_too_and_is_not_kept() -> None:
+    gate = asyncio.Event()
+    attempts = 0
+
+    async def read(key: str) -> str:
+        nonlocal attempts
+        attempts += 1
+        await gate.wait()
+        if attempts == 1:
+            raise OSError("disk hiccup")
+        return key
+
+    shared = SharedReads(read, size=2)
+    askers = [asyncio.ensure_future(shared.get("a")) for _ in range(3)]
+    await asyncio.sleep(0)
+    gate.set()
+    outcomes = await asyncio.gather(*askers, return_exceptions=True)
+    assert all(isinstance(o, OSError) for o in outcomes) and attempts == 1
+    assert await shared.get("a") == "a" and attempts == 2
