@@ -279,10 +279,14 @@ async def run_simulation_async(
         transport=transport,
     )
     thread = _Thread(make)
+    outcome = asyncio.wrap_future(thread.future)
     try:
         # shield: cancelling the caller must cancel the simulation (below), not just forget its future.
-        result: SimulationResult = await asyncio.shield(asyncio.wrap_future(thread.future))
+        result: SimulationResult = await asyncio.shield(outcome)
     except asyncio.CancelledError:
+        # The simulation ends with its own CancelledError, which nobody awaits: retrieved here, so that
+        # it is not logged as "Future exception was never retrieved" when the future is collected.
+        outcome.add_done_callback(lambda done: done.cancelled() or done.exception())
         thread.cancel()
         await asyncio.get_running_loop().run_in_executor(None, thread.join)
         raise
