@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import uuid
@@ -99,9 +100,10 @@ def coordinator_settings(data_dir: Path, **overrides: Any) -> CoordinatorSetting
     )
 
 
-@pytest.fixture
-async def control(tmp_path: Path) -> AsyncIterator[Control]:
-    async with Coordinator(coordinator_settings(tmp_path / "coordinator")) as coordinator:
+@contextlib.asynccontextmanager
+async def serving(settings: CoordinatorSettings) -> AsyncIterator[Control]:
+    """A coordinator with ``settings``, and the operator's side of it."""
+    async with Coordinator(settings) as coordinator:
         assert coordinator.endpoint is not None
         async with grpc.aio.insecure_channel(coordinator.endpoint.address) as channel:
             yield Control(
@@ -109,6 +111,12 @@ async def control(tmp_path: Path) -> AsyncIterator[Control]:
                 cgrpc.ControlServiceStub(channel),
                 (("authorization", f"Bearer {coordinator.admin_token}"),),
             )
+
+
+@pytest.fixture
+async def control(tmp_path: Path) -> AsyncIterator[Control]:
+    async with serving(coordinator_settings(tmp_path / "coordinator")) as control:
+        yield control
 
 
 def transport(address: str, state_dir: Path, **overrides: Any) -> GrpcTransport:

@@ -10,7 +10,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
 
@@ -19,11 +18,17 @@ from fedlink.runner.config import ResolverRegistry
 from fedlink.runner.context import Context, ContextKey, EventType, Signal
 from fedlink.runner.data import NpzDataSource
 from fedlink.runner.loop import Runner
-from fedlink.server.app import Coordinator
-from fedlink.v1 import control_service_pb2_grpc as cgrpc
 from fedlink.v1 import states_pb2
 
-from .conftest import Control, coordinator_settings, digits_npz, softmax_job, transport, zero_softmax_model
+from .conftest import (
+    Control,
+    coordinator_settings,
+    digits_npz,
+    serving,
+    softmax_job,
+    transport,
+    zero_softmax_model,
+)
 
 
 def make_runner(control: Control, state_dir: Path, data: Path | None, **kwargs: Any) -> Runner:
@@ -253,22 +258,15 @@ async def test_a_task_longer_than_its_lease_keeps_it_by_renewing(tmp_path: Path)
     settings = coordinator_settings(
         tmp_path / "coordinator", lease=timedelta(seconds=0.6), reaper_interval=timedelta(seconds=0.1)
     )
-    async with Coordinator(settings) as coordinator:
-        assert coordinator.endpoint is not None
-        async with grpc.aio.insecure_channel(coordinator.endpoint.address) as channel:
-            control = Control(
-                coordinator,
-                cgrpc.ControlServiceStub(channel),
-                (("authorization", f"Bearer {coordinator.admin_token}"),),
-            )
-            job_id = await control.submit(
-                zero_softmax_model(),
-                {"components": [{"type": "Slow", "name": "s"}], "executors": {"*": "@s"}},
-            )
-            runner = make_runner(
-                control, tmp_path / "state", None, resolver_registry=ResolverRegistry({"Slow": _Slow})
-            )
-            await asyncio.wait_for(runner.run_async(), timeout=30)
-            results = await results_of(control, job_id)
+    async with serving(settings) as control:
+        job_id = await control.submit(
+            zero_softmax_model(),
+            {"components": [{"type": "Slow", "name": "s"}], "executors": {"*": "@s"}},
+        )
+        runner = make_runner(
+            control, tmp_path / "state", None, resolver_registry=ResolverRegistry({"Slow": _Slow})
+        )
+        await asyncio.wait_for(runner.run_async(), timeout=30)
+        results = await results_of(control, job_id)
     assert [r.outcome for r in runner.history] == ["SUCCEEDED"]
     assert [(r.accepted, r.stale) for r in results] == [(True, False)]

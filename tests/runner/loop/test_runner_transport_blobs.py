@@ -6,7 +6,6 @@ import asyncio
 from datetime import timedelta
 from pathlib import Path
 
-import grpc
 import pytest
 
 from fedlink.common.errors import InvalidArgument
@@ -14,44 +13,44 @@ from fedlink.runner.data import NpzDataSource
 from fedlink.runner.loop import Runner
 from fedlink.runner.settings import load_runner_settings
 from fedlink.server.app import Coordinator
-from fedlink.v1 import control_service_pb2_grpc as cgrpc
 from fedlink.v1 import states_pb2
 
-from .conftest import Control, coordinator_settings, digits_npz, softmax_job, transport, zero_softmax_model
+from .conftest import (
+    coordinator_settings,
+    digits_npz,
+    serving,
+    softmax_job,
+    transport,
+    zero_softmax_model,
+)
 
 
 async def test_task_and_result_travel_as_blobs_when_large(tmp_path: Path) -> None:
     settings = coordinator_settings(tmp_path / "coordinator", inline_payload_bytes=512)
-    async with Coordinator(settings) as coordinator:
-        assert coordinator.endpoint is not None
-        async with grpc.aio.insecure_channel(coordinator.endpoint.address) as channel:
-            control = Control(
-                coordinator,
-                cgrpc.ControlServiceStub(channel),
-                (("authorization", f"Bearer {coordinator.admin_token}"),),
-            )
-            [part] = digits_npz(tmp_path, 1)
-            job_id = await control.submit(zero_softmax_model(), softmax_job(), rounds=2, devices=1)
-            link = transport(control.address, tmp_path / "state", blob_threshold_bytes=512, chunk_bytes=256)
-            runner = Runner("", NpzDataSource(part), {}, {}, 2.0, transport=link)
-            await asyncio.wait_for(runner.run_async(), 30)
+    async with serving(settings) as control:
+        [part] = digits_npz(tmp_path, 1)
+        job_id = await control.submit(zero_softmax_model(), softmax_job(), rounds=2, devices=1)
+        link = transport(control.address, tmp_path / "state", blob_threshold_bytes=512, chunk_bytes=256)
+        runner = Runner("", NpzDataSource(part), {}, {}, 2.0, transport=link)
+        await asyncio.wait_for(runner.run_async(), 30)
 
-            assert (await control.describe(job_id)).state == states_pb2.JOB_STATE_FINISHED
-            assert [r.outcome for r in runner.history] == ["SUCCEEDED", "SUCCEEDED"]
-            store = coordinator.store
-            assert store is not None
-            run = await store.get_current_run(job_id)
-            tasks = await store.list_tasks(run.run_id)
-            assert all(t.payload_sha256 for t in tasks)
-            results = await store.list_results(run_id=run.run_id)
-            # The result blobs are exactly what the device uploaded (content-addressed).
-            for result in results:
-                assert result.payload_sha256 is not None
-                assert (await store.blobs.stat(result.payload_sha256)).size_bytes > 512
-            # And they went by the streams: an inline result would be stored as a blob too.
-            await asyncio.sleep(0.05)  # the server counts a call after its reply went out
-            assert _ok_calls(coordinator, "UploadBlob") >= 2
-            assert _ok_calls(coordinator, "DownloadBlob") >= 2
+        assert (await control.describe(job_id)).state == states_pb2.JOB_STATE_FINISHED
+        assert [r.outcome for r in runner.history] == ["SUCCEEDED", "SUCCEEDED"]
+        coordinator = control.coordinator
+        store = coordinator.store
+        assert store is not None
+        run = await store.get_current_run(job_id)
+        tasks = await store.list_tasks(run.run_id)
+        assert all(t.payload_sha256 for t in tasks)
+        results = await store.list_results(run_id=run.run_id)
+        # The result blobs are exactly what the device uploaded (content-addressed).
+        for result in results:
+            assert result.payload_sha256 is not None
+            assert (await store.blobs.stat(result.payload_sha256)).size_bytes > 512
+        # And they went by the streams: an inline result would be stored as a blob too.
+        await asyncio.sleep(0.05)  # the server counts a call after its reply went out
+        assert _ok_calls(coordinator, "UploadBlob") >= 2
+        assert _ok_calls(coordinator, "DownloadBlob") >= 2
 
 
 def _ok_calls(coordinator: Coordinator, method: str) -> float:

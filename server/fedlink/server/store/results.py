@@ -301,8 +301,8 @@ def _write(
         lost.update(a for a in moving if a not in moved)
     writes = [p.row for a, p in plans.items() if a not in lost]
     went_in = insert_new_rows(conn, statements.insert, results.c.result_id, writes)
-    for assignment_id, plan in plans.items():
-        if plan.row["result_id"] in went_in and assignment_id not in lost:
+    for plan in plans.values():  # a lost plan's row was not written: its fresh id cannot be in
+        if plan.row["result_id"] in went_in:
             outcomes[plan.index] = _recorded(plan)
 
 
