@@ -253,6 +253,7 @@ async def run_devices(spec: LoadSpec) -> dict[str, Any]:
         "acks": len(acks),
         "outcomes": dict(Counter(o if isinstance(o, str) else repr(o) for o in outcomes)),
         "window_s": round(window, 3),
+        "window": [start, end],
         "rounds_in_window": rounds,
         "completed_rpcs": completed,
         "rpcs_per_s": round(completed / window, 1) if window > 0 else 0.0,
@@ -438,6 +439,7 @@ async def run_echo(spec: LoadSpec) -> dict[str, Any]:
     return {
         "calls": len(ends),
         "calls_per_s": round(len(ends) / spec.duration_s, 1),
+        "window": [measure_from, stop_at],
         "latency": latency_summary(latencies),
         "mismatches": mismatches,
         "errors": dict(timings.errors),

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,3 +82,49 @@ class RssWatch:
         while True:
             self._take()
             await asyncio.sleep(self._interval)
+
+
+class CpuTrace:
+    """Samples a process's CPU time every few milliseconds on the ``time.perf_counter`` clock, so the CPU
+    it spent within a window another process timed (``perf_counter`` is system-wide monotonic on Linux)
+    can be read off afterwards."""
+
+    def __init__(self, pid: int, interval_s: float = 0.05) -> None:
+        self._pid = pid
+        self._interval = interval_s
+        self._samples: list[tuple[float, float]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> CpuTrace:
+        self._task = asyncio.create_task(self._sample())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._take()
+
+    def _take(self) -> None:
+        self._samples.append((time.perf_counter(), cpu_seconds(self._pid)))
+
+    async def _sample(self) -> None:
+        while True:
+            self._take()
+            await asyncio.sleep(self._interval)
+
+    def _at(self, when: float) -> float:
+        times = [t for t, _ in self._samples]
+        i = bisect.bisect_left(times, when)
+        if i == 0:
+            return self._samples[0][1]
+        if i == len(times):
+            return self._samples[-1][1]
+        (t0, c0), (t1, c1) = self._samples[i - 1], self._samples[i]
+        return c0 + (c1 - c0) * (when - t0) / (t1 - t0) if t1 > t0 else c1
+
+    def between(self, start: float, end: float) -> float:
+        """CPU seconds spent from ``start`` to ``end`` (perf_counter times), interpolated."""
+        if not self._samples:
+            raise ValueError("no samples: use CpuTrace as a context around the window")
+        return self._at(end) - self._at(start)

@@ -131,11 +131,17 @@ async def echo_baseline(cfg: Config, workdir: Path) -> dict[str, Any]:
             "duration_s": cfg.echo_seconds,
             "payload_bytes": 100,
         }
-        async with LoadProcess(spec, workdir, "echo-load") as load:
+        async with proc_stats.CpuTrace(server.pid) as cpu, LoadProcess(spec, workdir, "echo-load") as load:
             before = proc_stats.cpu_seconds(server.pid)
             result = await load.event("result", timeout_s=cfg.echo_seconds + 120)
             result["server_cpu_s"] = round(proc_stats.cpu_seconds(server.pid) - before, 2)
+    result["server_cpu_ms_per_call"] = _cpu_ms_per_call(cpu, result["window"], result["calls"])
     return result
+
+
+def _cpu_ms_per_call(cpu: proc_stats.CpuTrace, window: list[float], calls: int) -> float | None:
+    """CPU milliseconds the server spent per call completed within the window."""
+    return round(1000 * cpu.between(*window) / calls, 3) if calls else None
 
 
 async def device_throughput(cfg: Config, workdir: Path, backend: str, db_url: str) -> dict[str, Any]:
@@ -167,9 +173,13 @@ async def device_throughput(cfg: Config, workdir: Path, backend: str, db_url: st
             cpu_before = proc_stats.cpu_seconds(coord.pid)
             async with (
                 Profiler(cfg.profile_dir, coord.pid, f"coordinator-{backend}"),
+                proc_stats.CpuTrace(coord.pid) as cpu,
                 LoadProcess(spec, workdir, f"devices-{backend}") as load,
             ):
                 result = await load.event("result", timeout_s=60 + cfg.rounds * 120)
+            result["coordinator_cpu_ms_per_rpc"] = _cpu_ms_per_call(
+                cpu, result["window"], result["completed_rpcs"]
+            )
             result["coordinator_cpu_s"] = round(proc_stats.cpu_seconds(coord.pid) - cpu_before, 2)
             result["coordinator_peak_rss_mib"] = round(proc_stats.memory_use(coord.pid).peak_bytes / MiB, 1)
             outcome = await job_outcome(control, admin, job_id)
@@ -407,6 +417,10 @@ async def run(cfg: Config, workdir: Path, partial: Path | None = None) -> dict[s
         for result in runs.values():
             if "rpcs_per_s" in result:
                 result["ratio_to_echo"] = round(result["rpcs_per_s"] / echo["calls_per_s"], 3)
+                if result.get("coordinator_cpu_ms_per_rpc") and echo.get("server_cpu_ms_per_call"):
+                    result["cpu_per_rpc_to_echo"] = round(
+                        result["coordinator_cpu_ms_per_rpc"] / echo["server_cpu_ms_per_call"], 2
+                    )
         report["throughput"] = {"echo": echo, **runs}
         _save_partial(report, partial)
     if "download" in cfg.parts:
@@ -484,7 +498,8 @@ def format_report(report: dict[str, Any]) -> str:
         lat = echo["latency"]
         lines.append(
             f"echo baseline: {echo['calls_per_s']:,.0f} calls/s at {report['config']['devices']} in flight "
-            f"(p50 {lat['p50_ms']} ms, p99 {lat['p99_ms']} ms)"
+            f"(p50 {lat['p50_ms']} ms, p99 {lat['p99_ms']} ms); server CPU "
+            f"{echo['server_cpu_ms_per_call']} ms per call"
         )
         for backend in ("sqlite", "postgres"):
             r = report["throughput"].get(backend)
@@ -497,6 +512,11 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{backend}: {r['rpcs_per_s']:,.0f} device RPCs/s over rounds 2..{r['job']['current_round']} "
                 f"= {r['ratio_to_echo']:.2f} x echo; round close gap p50 {r['round_gap_ms']['p50_ms']} ms; "
                 f"coordinator CPU {r['coordinator_cpu_s']} s, load CPU {r['process_cpu_s']} s"
+            )
+            lines.append(
+                f"    coordinator CPU {r['coordinator_cpu_ms_per_rpc']} ms per device RPC in rounds "
+                f"2..{r['job']['current_round']} = {r.get('cpu_per_rpc_to_echo')} x the echo server's "
+                "per call"
             )
             for kind, lat in r["latency"].items():
                 lines.append(

@@ -41,6 +41,7 @@ def test_quick_run_measures_every_part_and_passes_its_checks(tmp_path: Path) -> 
 
     throughput = report["throughput"]
     assert throughput["echo"]["calls_per_s"] > 0 and throughput["echo"]["mismatches"] == 0
+    assert throughput["echo"]["server_cpu_ms_per_call"] > 0
     devices, rounds = report["config"]["devices"], report["config"]["rounds"]
     backends = ["sqlite"] + (["postgres"] if "skipped" not in throughput["postgres"] else [])
     if "skipped" in throughput["postgres"] and os.environ.get("CI"):
@@ -51,6 +52,7 @@ def test_quick_run_measures_every_part_and_passes_its_checks(tmp_path: Path) -> 
         assert result["acks"] == devices * rounds == sum(result["job"]["round_results"]), backend
         assert result["rpcs_per_s"] > 0 and result["ratio_to_echo"] > 0, backend
         assert result["rounds_in_window"] == rounds - 1, backend
+        assert result["coordinator_cpu_ms_per_rpc"] > 0 and result["cpu_per_rpc_to_echo"] > 0, backend
         _positive_latencies(result, ("GetTask/OK", "ReportResult/OK"))
         assert set(result["checks"]) >= {"every_acknowledged_result_counted", "job_finished"}
         assert f"throughput.{backend}.every_acknowledged_result_counted" in report["checks"]
