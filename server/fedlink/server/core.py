@@ -36,11 +36,13 @@ MAX_MODEL_BYTES = 2 * 1024**3
 
 
 class _PokeSupervisor(ResultListener):
-    def __init__(self, supervisor: JobSupervisor) -> None:
+    def __init__(self, supervisor: JobSupervisor, events: JobEvents) -> None:
         self._supervisor = supervisor
+        self._events = events
 
     def result_recorded(self, job_id: str, task: Task) -> None:
         self._supervisor.progress(job_id)
+        self._events.wake(job_id)  # the result's result_received event is stored: watchers see it now
 
     def reserve(self, job_id: str, task: Task, request_id: str, update: DXO) -> bool:
         fold = self._supervisor.fold(job_id)
@@ -176,7 +178,7 @@ class CoordinatorCore:
                 join_secret=self._join_secret,
                 keep_folded_payloads=self._keep_folded_payloads,
             ),
-            listener=_PokeSupervisor(supervisor),
+            listener=_PokeSupervisor(supervisor, events),
             on_outcome=self._on_result_outcome,
             known_tasks=self.known_tasks,
         )

@@ -147,6 +147,7 @@ def test_a_job_run_to_the_end_is_watched_live_and_downloaded(
     lines = watched.stdout.splitlines()
     assert any(line.endswith("round 1 started: 2 devices") for line in lines), lines
     assert any(line.endswith("round 2 closed: 2 results") for line in lines), lines
+    assert any("round 1: result from dev-" in line and line.endswith("succeeded (2 in)") for line in lines)
     assert lines[-1].endswith("job FINISHED")
 
     events = [
@@ -154,6 +155,13 @@ def test_a_job_run_to_the_end_is_watched_live_and_downloaded(
     ]
     assert [e["sequence"] for e in events] == sorted(e["sequence"] for e in events)
     assert [e["round"] for e in events if e["event"] == "round_closed"] == [1, 2]
+    # Every result, as it came: each device's once per round, counted up, before its round closed.
+    received = [e for e in events if e["event"] == "result_received"]
+    assert sorted((e["round"], e["num_results"]) for e in received) == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert {e["status"] for e in received} == {"SUCCEEDED"}
+    assert len({(e["round"], e["device_id"]) for e in received}) == 4
+    closed = {e["round"]: e["sequence"] for e in events if e["event"] == "round_closed"}
+    assert all(e["sequence"] < closed[e["round"]] for e in received)
 
     final = tmp_path / "final.npz"
     downloaded = cli("job", "download", job_id, "-o", str(final))

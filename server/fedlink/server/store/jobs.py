@@ -25,6 +25,7 @@ from fedlink.server.domain import (
 from fedlink.server.store import rows
 from fedlink.server.store.blobs import SqlBlobStore
 from fedlink.server.store.core import StoreCore
+from fedlink.server.store.event_log import append_job_events
 from fedlink.server.store.protocol import NewJob, Page
 from fedlink.server.store.schema import checkpoints, job_events, jobs, results, runs, tasks
 
@@ -265,35 +266,14 @@ class JobQueries(StoreCore):
 
     # ---- events ----
     async def append_job_event(self, job_id: str, kind: str, payload_json: str) -> JobEvent:
-        """Append a progress event to a job.
-
-        Sequences are max + 1 per job under the primary key, so they rise in commit order: a watcher
-        reading "after N" never misses an event that committed late with a smaller number.
-        """
+        """Append a progress event to a job (numbered as :mod:`~fedlink.server.store.event_log` says)."""
         now = self._clock.now()
 
         def work(conn: sa.Connection) -> JobEvent:
             if conn.execute(sa.select(jobs.c.job_id).where(jobs.c.job_id == job_id)).first() is None:
                 raise NotFound(f"job {job_id} does not exist")
-            while True:
-                last = (
-                    conn.execute(
-                        sa.select(sa.func.coalesce(sa.func.max(job_events.c.sequence), 0)).where(
-                            job_events.c.job_id == job_id
-                        )
-                    )
-                ).scalar_one()
-                inserted = (
-                    conn.execute(
-                        self._db.insert_ignore(job_events)
-                        .values(
-                            job_id=job_id, sequence=last + 1, time=now, kind=kind, payload_json=payload_json
-                        )
-                        .returning(job_events)
-                    )
-                ).first()
-                if inserted is not None:
-                    return rows.job_event(inserted)
+            (sequence,) = append_job_events(conn, [(job_id, kind, payload_json)], now)
+            return JobEvent(job_id=job_id, sequence=sequence, time=now, kind=kind, payload_json=payload_json)
 
         return await self._db.write_sync(work)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -15,6 +17,7 @@ from fedlink.server.store import rows
 from fedlink.server.store.blobs import SqlBlobStore
 from fedlink.server.store.bulk import insert_new_rows
 from fedlink.server.store.core import StoreCore
+from fedlink.server.store.event_log import append_job_events, lock_job_events
 from fedlink.server.store.protocol import RecordOutcome, ResultReport
 from fedlink.server.store.schema import among, assignments, results, state_is, tasks
 
@@ -76,7 +79,9 @@ class ResultQueries(StoreCore):
         def work(conn: sa.Connection) -> list[RecordOutcome | FedlinkError]:
             if write_payloads is not None:
                 write_payloads(conn)
-            return _record_batch(statements, conn, reports, now)
+            outcomes = _record_batch(statements, conn, reports, now)
+            _result_events(conn, outcomes, now)
+            return outcomes
 
         return await self._db.write_sync(work)
 
@@ -327,3 +332,60 @@ def _record_one(
         if insert_new_rows(conn, statements.insert, results.c.result_id, [plan.row]):
             return _recorded(plan)
     raise Conflict(f"assignment {report.assignment_id} changed while its result was being recorded")
+
+
+_RESULT_RECEIVED = "result_received"
+
+
+def _result_events(
+    conn: sa.Connection, outcomes: Sequence[RecordOutcome | FedlinkError], now: datetime
+) -> None:
+    """A ``result_received`` job event per result this batch recorded that counts (accepted, or failed:
+    late ones count for nothing), in the batch's transaction: an event exists exactly when its result
+    does. Its ``num_results`` is how many results of the round (and task name) were accepted with it."""
+    new = [
+        o.result for o in outcomes if isinstance(o, RecordOutcome) and not o.duplicate and not o.result.stale
+    ]
+    if not new:
+        return
+    ids = sorted({r.task_id for r in new})
+    task_of: dict[str, Any] = {}
+    for start in range(0, len(ids), _CHUNK):
+        query = sa.select(tasks.c.task_id, tasks.c.job_id, tasks.c.run_id, tasks.c.round, tasks.c.name).where(
+            tasks.c.task_id.in_(ids[start : start + _CHUNK])
+        )
+        task_of.update((row.task_id, row) for row in conn.execute(query))
+
+    def group(result: Result) -> tuple[str, int, str]:
+        task = task_of[result.task_id]
+        return (task.run_id, task.round, task.name)
+
+    # Accepted so far, this batch's included (they are written): its results count up to that total.
+    # Counted in the events' turn, so that a concurrent batch's results are counted before or after.
+    lock_job_events(conn, (task.job_id for task in task_of.values()))
+    counted: dict[tuple[str, int, str], int] = {}
+    for run_id, round_no, name in sorted({group(r) for r in new}):
+        counted[(run_id, round_no, name)] = conn.execute(
+            sa.select(sa.func.count())
+            .select_from(results.join(tasks, tasks.c.task_id == results.c.task_id))
+            .where(
+                tasks.c.run_id == run_id,
+                tasks.c.round == round_no,
+                tasks.c.name == name,
+                results.c.accepted.is_(True),
+            )
+        ).scalar_one()
+    pending = Counter(group(r) for r in new if r.accepted)
+    events = []
+    for result in new:
+        key = group(result)
+        if result.accepted:
+            pending[key] -= 1
+        body = {
+            "round": key[1],
+            "device_id": result.device_id,
+            "status": result.status.value,
+            "num_results": counted[key] - pending[key],
+        }
+        events.append((task_of[result.task_id].job_id, _RESULT_RECEIVED, json.dumps(body, sort_keys=True)))
+    append_job_events(conn, events, now)
