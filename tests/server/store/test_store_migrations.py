@@ -18,10 +18,13 @@ from fedlink.server.cli.db import db_group
 from fedlink.server.store import current_revision, downgrade, head_revision, open_store, upgrade
 from fedlink.server.store.dialect import Database
 from fedlink.server.store.schema import (
+    assignments,
     blob_grants,
     blobs,
     jobs,
     metadata,
+    results,
+    round_counts,
     runs,
     task_offers,
     task_targets,
@@ -213,7 +216,7 @@ async def test_0004_blob_grants_go_with_their_blob_and_down_leaves_the_blobs(emp
 
     try:
         await database.write(fill)
-        await upgrade(empty_url)
+        await upgrade(empty_url, "0004_blob_grants")
         assert await current_revision(empty_url) == "0004_blob_grants"
         await database.write(grant)
         await database.write(drop)  # the migrated foreign key cascades, on SQLite too
@@ -223,8 +226,74 @@ async def test_0004_blob_grants_go_with_their_blob_and_down_leaves_the_blobs(emp
         assert "blob_grants" not in await tables(empty_url)
         async with database.read() as conn:
             assert list((await conn.execute(sa.select(blobs.c.sha256))).scalars()) == [kept]
-        await upgrade(empty_url)
+        await upgrade(empty_url, "0004_blob_grants")
         async with database.read() as conn:
             assert await grants(conn) == set()  # blobs stored before 0004 are uploaded again to be held
+    finally:
+        await database.dispose()
+
+
+async def test_0005_counts_the_results_already_accepted_and_goes_with_its_run(empty_url: str) -> None:
+    await upgrade(empty_url, "0004_blob_grants")
+    now = datetime.now(UTC)
+    database = Database(empty_url)
+    base = {"state": "RUNNING", "message": "", "created_at": now, "updated_at": now}
+    # Round 1: two accepted train results and a failed one, one accepted evaluation; round 2: none yet.
+    made = [("t1", 1, "train", True), ("t2", 1, "train", True), ("t3", 1, "train", False)]
+    made += [("e1", 1, "evaluate", True), ("t4", 2, "train", False)]
+
+    async def fill(conn: AsyncConnection) -> None:
+        job = {"job_id": "j", "name": "n", "spec_json": "{}", "job_data": "{}", "device_selector": "{}"}
+        await conn.execute(sa.insert(jobs).values(**job, **base))
+        await conn.execute(sa.insert(runs).values(run_id="r", job_id="j", round=1, metrics_json="{}", **base))
+        for task_id, round_no, name, accepted in made:
+            task = {"job_id": "j", "run_id": "r", "round": round_no, "name": name, "deadline": now}
+            await conn.execute(
+                sa.insert(tasks).values(
+                    task_id=task_id, slots=1, targeted=False, state="OPEN", created_at=now, **task
+                )
+            )
+            await conn.execute(
+                sa.insert(assignments).values(
+                    assignment_id=f"a-{task_id}",
+                    task_id=task_id,
+                    job_id="j",
+                    device_id="d",
+                    slot=0,
+                    state="COMPLETED" if accepted else "FAILED",
+                    lease_expires_at=now,
+                    created_at=now,
+                )
+            )
+            await conn.execute(
+                sa.insert(results).values(
+                    result_id=f"r-{task_id}",
+                    assignment_id=f"a-{task_id}",
+                    task_id=task_id,
+                    device_id="d",
+                    status="SUCCEEDED" if accepted else "FAILED",
+                    report_digest="x",
+                    error_message="",
+                    accepted=accepted,
+                    stale=False,
+                    request_id=f"q-{task_id}",
+                    created_at=now,
+                )
+            )
+
+    async def counts(conn: AsyncConnection) -> set[tuple[str, int, str, int]]:
+        found = await conn.execute(sa.select(round_counts))
+        return {(run_id, round_no, name, accepted) for run_id, round_no, name, accepted in found}
+
+    try:
+        await database.write(fill)
+        await upgrade(empty_url, "0005_round_counts")
+        async with database.read() as conn:
+            assert await counts(conn) == {("r", 1, "train", 2), ("r", 1, "evaluate", 1)}
+        await database.write(lambda conn: conn.execute(sa.delete(runs)))  # the migrated key cascades
+        async with database.read() as conn:
+            assert await counts(conn) == set()
+        await downgrade(empty_url, "0004_blob_grants")
+        assert "round_counts" not in await tables(empty_url)
     finally:
         await database.dispose()

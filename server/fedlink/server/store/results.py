@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
@@ -19,9 +19,11 @@ from fedlink.server.store.bulk import insert_new_rows
 from fedlink.server.store.core import StoreCore
 from fedlink.server.store.event_log import append_job_events, lock_job_events
 from fedlink.server.store.protocol import RecordOutcome, ResultReport
-from fedlink.server.store.schema import among, assignments, results, state_is, tasks
+from fedlink.server.store.schema import among, assignments, results, round_counts, state_is, tasks
 
 _LEASED = AssignmentState.LEASED.value
+#: A round's results of one task name: (run id, round, task name).
+RoundKey = tuple[str, int, str]
 # A report loses a race only to another report or the lease reaper; each loss settles the assignment.
 _MAX_ATTEMPTS = 3
 
@@ -79,8 +81,9 @@ class ResultQueries(StoreCore):
         def work(conn: sa.Connection) -> list[RecordOutcome | FedlinkError]:
             if write_payloads is not None:
                 write_payloads(conn)
-            outcomes = _record_batch(statements, conn, reports, now)
-            _result_events(conn, outcomes, now)
+            placed: dict[str, _Plan] = {}
+            outcomes = _record_batch(statements, conn, reports, now, placed)
+            _result_events(conn, outcomes, placed, now)
             return outcomes
 
         return await self._db.write_sync(work)
@@ -145,6 +148,11 @@ class _ResultStatements:
             assignments.c.lease_expires_at,
             tasks.c.state.label("task_state"),
             tasks.c.deadline,
+            # Where a recorded result is counted, for its result_received event.
+            tasks.c.job_id.label("t_job_id"),
+            tasks.c.run_id.label("t_run_id"),
+            tasks.c.round.label("t_round"),
+            tasks.c.name.label("t_name"),
         ).select_from(
             assignments.join(tasks, tasks.c.task_id == assignments.c.task_id).outerjoin(
                 results, results.c.assignment_id == assignments.c.assignment_id
@@ -179,6 +187,9 @@ class _Plan:
     report: ResultReport
     target: AssignmentState | None
     row: dict[str, object]
+    #: The task's job, and the (run, round, task name) whose results it counts among.
+    job_id: str
+    group: RoundKey
 
 
 def _plan(index: int, report: ResultReport, row: sa.Row[Any], now: datetime) -> _Plan:
@@ -206,7 +217,8 @@ def _plan(index: int, report: ResultReport, row: sa.Row[Any], now: datetime) -> 
         "request_id": report.request_id,
         "created_at": now,
     }
-    return _Plan(index=index, report=report, target=target, row=values)
+    group = (row.t_run_id, row.t_round, row.t_name)
+    return _Plan(index=index, report=report, target=target, row=values, job_id=row.t_job_id, group=group)
 
 
 def _recorded(plan: _Plan) -> RecordOutcome:
@@ -231,7 +243,11 @@ def _recorded(plan: _Plan) -> RecordOutcome:
 
 
 def _record_batch(
-    statements: _ResultStatements, conn: sa.Connection, reports: Sequence[ResultReport], now: datetime
+    statements: _ResultStatements,
+    conn: sa.Connection,
+    reports: Sequence[ResultReport],
+    now: datetime,
+    placed: dict[str, _Plan],
 ) -> list[RecordOutcome | FedlinkError]:
     """Record ``reports`` inside the caller's write transaction with a few set-based statements.
 
@@ -241,11 +257,11 @@ def _record_batch(
     """
     outcomes: list[RecordOutcome | FedlinkError | None] = [None] * len(reports)
     plans, again = _judge(statements, conn, reports, now, outcomes)
-    _write(statements, conn, plans, outcomes)
+    _write(statements, conn, plans, outcomes, placed)
     again.extend(p.index for p in plans.values() if outcomes[p.index] is None)
     for index in sorted(again):
         try:
-            outcomes[index] = _record_one(statements, conn, reports[index], now)
+            outcomes[index] = _record_one(statements, conn, reports[index], now, placed)
         except FedlinkError as error:
             outcomes[index] = error
     return [o for o in outcomes if o is not None]
@@ -289,6 +305,7 @@ def _write(
     conn: sa.Connection,
     plans: dict[str, _Plan],
     outcomes: list[RecordOutcome | FedlinkError | None],
+    placed: dict[str, _Plan],
 ) -> None:
     """Move the assignments (one UPDATE per next state), then insert the results of those that moved."""
     by_target: dict[AssignmentState, list[str]] = {}
@@ -309,10 +326,15 @@ def _write(
     for plan in plans.values():  # a lost plan's row was not written: its fresh id cannot be in
         if plan.row["result_id"] in went_in:
             outcomes[plan.index] = _recorded(plan)
+            placed[str(plan.row["result_id"])] = plan
 
 
 def _record_one(
-    statements: _ResultStatements, conn: sa.Connection, report: ResultReport, now: datetime
+    statements: _ResultStatements,
+    conn: sa.Connection,
+    report: ResultReport,
+    now: datetime,
+    placed: dict[str, _Plan],
 ) -> RecordOutcome:
     """Record one report, judging it again after each race it loses."""
     params = {"assignment_id": report.assignment_id}
@@ -330,6 +352,7 @@ def _record_one(
             if moved.rowcount != 1:
                 continue  # another report or the reaper got there first: judge again
         if insert_new_rows(conn, statements.insert, results.c.result_id, [plan.row]):
+            placed[str(plan.row["result_id"])] = plan
             return _recorded(plan)
     raise Conflict(f"assignment {report.assignment_id} changed while its result was being recorded")
 
@@ -338,54 +361,51 @@ _RESULT_RECEIVED = "result_received"
 
 
 def _result_events(
-    conn: sa.Connection, outcomes: Sequence[RecordOutcome | FedlinkError], now: datetime
+    conn: sa.Connection,
+    outcomes: Sequence[RecordOutcome | FedlinkError],
+    placed: Mapping[str, _Plan],
+    now: datetime,
 ) -> None:
     """A ``result_received`` job event per result this batch recorded that counts (accepted, or failed:
     late ones count for nothing), in the batch's transaction: an event exists exactly when its result
-    does. Its ``num_results`` is how many results of the round (and task name) were accepted with it."""
+    does. Its ``num_results`` is how many results of the round (and task name) were accepted with it.
+    ``placed``: the plans of the results this batch wrote, by result id."""
     new = [
         o.result for o in outcomes if isinstance(o, RecordOutcome) and not o.duplicate and not o.result.stale
     ]
     if not new:
         return
-    ids = sorted({r.task_id for r in new})
-    task_of: dict[str, Any] = {}
-    for start in range(0, len(ids), _CHUNK):
-        query = sa.select(tasks.c.task_id, tasks.c.job_id, tasks.c.run_id, tasks.c.round, tasks.c.name).where(
-            tasks.c.task_id.in_(ids[start : start + _CHUNK])
+    plan_of = {r.result_id: placed[r.result_id] for r in new}
+    # The rounds' accepted counts move on by this batch's, in the events' turn (a concurrent batch's
+    # results are counted wholly before or after these).
+    lock_job_events(conn, (p.job_id for p in plan_of.values()))
+    adding = Counter(plan_of[r.result_id].group for r in new if r.accepted)
+    running: dict[RoundKey, int] = {}
+    for key in sorted({p.group for p in plan_of.values()}):
+        run_id, round_no, name = key
+        where = (
+            round_counts.c.run_id == run_id,
+            round_counts.c.round == round_no,
+            round_counts.c.name == name,
         )
-        task_of.update((row.task_id, row) for row in conn.execute(query))
-
-    def group(result: Result) -> tuple[str, int, str]:
-        task = task_of[result.task_id]
-        return (task.run_id, task.round, task.name)
-
-    # Accepted so far, this batch's included (they are written): its results count up to that total.
-    # Counted in the events' turn, so that a concurrent batch's results are counted before or after.
-    lock_job_events(conn, (task.job_id for task in task_of.values()))
-    counted: dict[tuple[str, int, str], int] = {}
-    for run_id, round_no, name in sorted({group(r) for r in new}):
-        counted[(run_id, round_no, name)] = conn.execute(
-            sa.select(sa.func.count())
-            .select_from(results.join(tasks, tasks.c.task_id == results.c.task_id))
-            .where(
-                tasks.c.run_id == run_id,
-                tasks.c.round == round_no,
-                tasks.c.name == name,
-                results.c.accepted.is_(True),
-            )
-        ).scalar_one()
-    pending = Counter(group(r) for r in new if r.accepted)
+        found: int | None = conn.execute(sa.select(round_counts.c.accepted).where(*where)).scalar()
+        running[key] = found or 0
+        if not adding[key]:
+            continue
+        if found is None:
+            values = {"run_id": run_id, "round": round_no, "name": name, "accepted": adding[key]}
+            conn.execute(sa.insert(round_counts).values(**values))
+        else:
+            conn.execute(sa.update(round_counts).where(*where).values(accepted=found + adding[key]))
     events = []
     for result in new:
-        key = group(result)
-        if result.accepted:
-            pending[key] -= 1
-        body = {
-            "round": key[1],
-            "device_id": result.device_id,
-            "status": result.status.value,
-            "num_results": counted[key] - pending[key],
-        }
-        events.append((task_of[result.task_id].job_id, _RESULT_RECEIVED, json.dumps(body, sort_keys=True)))
+        plan = plan_of[result.result_id]
+        key = plan.group
+        running[key] += result.accepted
+        # What json.dumps(..., sort_keys=True) writes, without its per-call cost (10,000 per round).
+        body = (
+            f'{{"device_id": {json.dumps(result.device_id)}, "num_results": {running[key]}, '
+            f'"round": {key[1]}, "status": "{result.status.value}"}}'
+        )
+        events.append((plan.job_id, _RESULT_RECEIVED, body))
     append_job_events(conn, events, now)
