@@ -70,16 +70,20 @@ class Fleet:
         raise AssertionError(f"job {job_id} is still {states_pb2.JobState.Name(job.state)} after 20 s")
 
 
-@asynccontextmanager
-async def fleet(tmp_path: Path, size: int, **settings: Any) -> AsyncIterator[Fleet]:
-    config = CoordinatorSettings(
+def coordinator_settings(tmp_path: Path, **settings: Any) -> CoordinatorSettings:
+    """A plaintext coordinator with open enrolment on a free port, its data in ``tmp_path/data``."""
+    return CoordinatorSettings(
         data_dir=tmp_path / "data",
         listen_address="127.0.0.1:0",
         insecure=True,
         open_enrolment=True,
         **settings,
     )
-    async with Coordinator(config) as coordinator:
+
+
+@asynccontextmanager
+async def fleet(tmp_path: Path, size: int, **settings: Any) -> AsyncIterator[Fleet]:
+    async with Coordinator(coordinator_settings(tmp_path, **settings)) as coordinator:
         assert coordinator.endpoint is not None
         admin = (("authorization", f"Bearer {coordinator.admin_token}"),)
         async with grpc.aio.insecure_channel(coordinator.endpoint.address) as channel:
@@ -295,3 +299,34 @@ async def test_a_round_short_of_results_is_retried_with_other_devices(tmp_path: 
 
 def _seconds(value: int) -> duration_pb2.Duration:
     return duration_pb2.Duration(seconds=value)
+
+
+async def test_a_restarted_coordinator_grants_a_round_no_more_retries_than_its_job_allows(
+    tmp_path: Path,
+) -> None:
+    allowed = {"round_failure_policy": cpb.ROUND_FAILURE_POLICY_RETRY, "max_round_retries": 1}
+    async with fleet(tmp_path, 2, **FAST) as f:
+        job_id = await f.submit(devices_per_round=2, min_results=2, round_timeout=_seconds(1), **allowed)
+        for _ in range(200):  # nobody reports: the round falls short and is handed out once more
+            job = await f.job(job_id)
+            if job.state == states_pb2.JOB_STATE_RUNNING:
+                run = await f.store.get_current_run(job_id)
+                if len(await f.store.list_tasks(run.run_id, round=1)) == 4:
+                    break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the round was not retried")
+        assert await f.store.round_retries(run_id=run.run_id, round=1, name="train") == 1
+    # Stopped during its one allowed retry; started again on the same data directory and database.
+    async with Coordinator(coordinator_settings(tmp_path, **FAST)) as again:
+        assert again.store is not None
+        for _ in range(200):
+            resumed = await again.store.get_job(job_id)
+            if resumed.state.value in ("FAILED", "FINISHED", "ABORTED"):
+                break
+            await asyncio.sleep(0.05)
+        # The retry wave falls short too: the job fails instead of retrying the round once more.
+        assert resumed.state.value == "FAILED", resumed
+        assert "round 1 got 0 of the 2 results" in resumed.message, resumed.message
+        assert len(await again.store.list_tasks(run.run_id, round=1)) == 4
+        assert await again.store.round_retries(run_id=run.run_id, round=1, name="train") == 2

@@ -281,15 +281,17 @@ async def test_0005_counts_the_results_already_accepted_and_goes_with_its_run(em
                 )
             )
 
-    async def counts(conn: AsyncConnection) -> set[tuple[str, int, str, int]]:
+    async def counts(conn: AsyncConnection) -> set[tuple[str, int, str, int, int]]:
         found = await conn.execute(sa.select(round_counts))
-        return {(run_id, round_no, name, accepted) for run_id, round_no, name, accepted in found}
+        return {
+            (run_id, round_no, name, accepted, retries) for run_id, round_no, name, accepted, retries in found
+        }
 
     try:
         await database.write(fill)
         await upgrade(empty_url, "0005_round_counts")
         async with database.read() as conn:
-            assert await counts(conn) == {("r", 1, "train", 2), ("r", 1, "evaluate", 1)}
+            assert await counts(conn) == {("r", 1, "train", 2, 0), ("r", 1, "evaluate", 1, 0)}
         await database.write(lambda conn: conn.execute(sa.delete(runs)))  # the migrated key cascades
         async with database.read() as conn:
             assert await counts(conn) == set()

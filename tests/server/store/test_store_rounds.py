@@ -6,6 +6,9 @@ from __future__ import annotations
 import hashlib
 from datetime import timedelta
 
+import pytest
+
+from fedlink.common.errors import NotFound
 from fedlink.server.domain import ReportOutcome, ResultStatus, TaskState
 from fedlink.server.store import ResultReport
 from fedlink.server.store.testing import World
@@ -115,3 +118,38 @@ async def test_put_many_stores_each_content_once(world: World) -> None:
         assert await blobs.read(ref.sha256) == data
         assert (await blobs.stat(ref.sha256)).size_bytes == len(data)
     assert await blobs.put_many([]) == []
+
+
+async def test_round_retries_are_counted_per_round_and_task_name(world: World) -> None:
+    run_id = world.run.run_id
+    assert await world.store.round_retries(run_id=run_id, round=1, name="train") == 0
+    assert await world.store.count_round_retry(run_id=run_id, round=1, name="train") == 1
+    assert await world.store.count_round_retry(run_id=run_id, round=1, name="train") == 2
+    assert await world.store.count_round_retry(run_id=run_id, round=2, name="train") == 1
+    assert await world.store.round_retries(run_id=run_id, round=1, name="train") == 2
+    assert await world.store.round_retries(run_id=run_id, round=1, name="evaluate") == 0
+    with pytest.raises(NotFound, match="no-such-run"):
+        await world.store.count_round_retry(run_id="no-such-run", round=1, name="train")
+
+
+async def test_results_and_retries_share_their_rounds_count_row(world: World) -> None:
+    # A retry taken first, then a result accepted: both counts kept (one row per round and name).
+    run_id = world.run.run_id
+    device = world.devices[0].device_id
+    await world.store.count_round_retry(run_id=run_id, round=1, name="train")
+    await world.tasks(1, targets=(device,))
+    held = await world.store.claim_task(device, world.job.job_id, world.clock.now(), timedelta(seconds=30))
+    assert held is not None
+    report = ResultReport(
+        assignment_id=held.assignment_id,
+        device_id=device,
+        status=ResultStatus.SUCCEEDED,
+        payload_sha256=None,
+        report_digest="d",
+        request_id="r",
+        error_message="",
+    )
+    await world.store.record_result(report, world.clock.now())
+    assert await world.store.count_round_retry(run_id=run_id, round=1, name="train") == 2
+    (event,) = [e for e in await world.store.list_job_events(world.job.job_id) if e.kind == "result_received"]
+    assert '"num_results": 1' in event.payload_json

@@ -475,6 +475,14 @@ class StateStore(Protocol):
         """Close every OPEN task of a round of one name; return how many closed."""
         ...
 
+    async def round_retries(self, *, run_id: str, round: int, name: str) -> int:
+        """How many retries of a round of one name :meth:`count_round_retry` counted."""
+        ...
+
+    async def count_round_retry(self, *, run_id: str, round: int, name: str) -> int:
+        """Count one more retry of a round of one name; return the retries counted, this one included."""
+        ...
+
     async def count_devices_by_state(self) -> dict[DeviceState, int]:
         """Return the number of devices in each state (states with none are left out)."""
         ...

@@ -7,11 +7,27 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from fedlink.common.errors import NotFound
 from fedlink.server.domain import Assignment, AssignmentState, ResultStatus, TaskState
 from fedlink.server.store import rows
 from fedlink.server.store.core import StoreCore
+from fedlink.server.store.event_log import lock_job_events
 from fedlink.server.store.protocol import ResultOutline, RoundSummary
-from fedlink.server.store.schema import assignments, results, task_offers, task_targets, tasks
+from fedlink.server.store.schema import (
+    assignments,
+    results,
+    round_counts,
+    runs,
+    task_offers,
+    task_targets,
+    tasks,
+)
+
+
+def _round_key(run_id: str, round: int, name: str) -> tuple[sa.ColumnElement[bool], ...]:
+    """The ``round_counts`` row of a round's tasks of one name."""
+    return (round_counts.c.run_id == run_id, round_counts.c.round == round, round_counts.c.name == name)
+
 
 # Keeps IN lists well below SQLite's bound-parameter limit.
 _IN_BATCH = 500
@@ -107,6 +123,36 @@ class RoundQueries(StoreCore):
             )
             for round_no, name, device_id, status, accepted, error_message in found
         ]
+
+    async def round_retries(self, *, run_id: str, round: int, name: str) -> int:
+        """How many retries of a round of one name :meth:`count_round_retry` counted."""
+        query = sa.select(round_counts.c.retries).where(*_round_key(run_id, round, name))
+        async with self._db.read() as conn:
+            found: int | None = (await conn.execute(query)).scalar()
+        return found or 0
+
+    async def count_round_retry(self, *, run_id: str, round: int, name: str) -> int:
+        """Count one more retry of a round of one name; return the retries counted, this one included.
+
+        NotFound if the run does not exist. The round's row is written in its job's event turn, as
+        the report path writes it (see :mod:`~fedlink.server.store.event_log`).
+        """
+        key = _round_key(run_id, round, name)
+
+        def work(conn: sa.Connection) -> int:
+            job_id = conn.execute(sa.select(runs.c.job_id).where(runs.c.run_id == run_id)).scalar()
+            if job_id is None:
+                raise NotFound(f"run {run_id} does not exist")
+            lock_job_events(conn, [job_id])
+            moved = conn.execute(
+                sa.update(round_counts).where(*key).values(retries=round_counts.c.retries + 1)
+            )
+            if moved.rowcount == 0:
+                row = {"run_id": run_id, "round": round, "name": name, "accepted": 0, "retries": 1}
+                conn.execute(sa.insert(round_counts).values(**row))
+            return int(conn.execute(sa.select(round_counts.c.retries).where(*key)).scalar_one())
+
+        return await self._db.write_sync(work)
 
     async def close_round_tasks(self, *, run_id: str, round: int, name: str) -> int:
         """Close every OPEN task of a round of one name (and withdraw their offers); return how many closed.

@@ -363,15 +363,18 @@ checkpoints = sa.Table(
     _time("created_at"),
 )
 
-#: Accepted results per round and task name, kept by the report path for its result_received events
-#: (counting a 10,000-task round's results per report batch had cost a simulation 5 % of its time).
+#: Per round and task name: the results accepted, kept by the report path for its result_received
+#: events (counting a 10,000-task round's results per report batch had cost a simulation 5 % of its
+#: time); and the times the workflow handed the round out again after it fell short, so that a
+#: restarted coordinator does not grant a round more retries than its job allows.
 round_counts = sa.Table(
     "round_counts",
     metadata,
     _id("run_id", _cascade("runs.run_id"), primary_key=True),
     sa.Column("round", sa.Integer(), primary_key=True, autoincrement=False),
     sa.Column("name", sa.String(200), primary_key=True),
-    sa.Column("accepted", sa.Integer(), nullable=False),
+    sa.Column("accepted", sa.Integer(), nullable=False, server_default="0"),
+    sa.Column("retries", sa.Integer(), nullable=False, server_default="0"),
 )
 
 job_events = sa.Table(

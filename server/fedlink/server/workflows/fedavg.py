@@ -300,8 +300,9 @@ class FedAvg:
         Resumable: tasks already in the store for this round are picked up as they are, unless
         ``fresh`` says this driver knows there are none.
         """
-        retries = 0
         run_id = ctx.run.run_id
+        # Counted in the store: a restarted coordinator resumes a round with the retries it had taken.
+        retries = 0 if fresh else await ctx.store.round_retries(run_id=run_id, round=round_no, name=name)
         if fresh:
             await self._start_wave(ctx, round_no, name, payload_sha, None, devices, wave=0)
         while True:
@@ -329,10 +330,13 @@ class FedAvg:
                 continue
             if summary.succeeded >= needed:
                 return
-            retries += 1
-            if self.params.round_failure_policy == "fail" or retries > self.params.max_round_retries:
-                got = summary.succeeded
-                raise RoundFailed(f"round {round_no} got {got} of the {needed} results it needs")
+            shortfall = f"round {round_no} got {summary.succeeded} of the {needed} results it needs"
+            if self.params.round_failure_policy == "fail":
+                raise RoundFailed(shortfall)
+            # Counted before its wave is handed out: a crash in between spends a retry, never adds one.
+            retries = await ctx.store.count_round_retry(run_id=run_id, round=round_no, name=name)
+            if retries > self.params.max_round_retries:
+                raise RoundFailed(shortfall)
             log.warning(
                 "round short of results; retrying",
                 extra={"job_id": ctx.job.job_id, "round": round_no, "retry": retries},

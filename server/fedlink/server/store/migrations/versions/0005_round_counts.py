@@ -1,10 +1,12 @@
-"""round_counts: accepted results per round and task name, for the result_received job events.
+"""round_counts: per round and task name, the results accepted (for the result_received job events)
+and the retries the workflow took (so a restarted coordinator does not grant more).
 
 Revision ID: 0005_round_counts
 Revises: 0004_blob_grants
 Create Date: 2026-11-30 20:30:00
 
-Filled from the results already stored, so a round open during the upgrade counts on from there.
+Accepted counts are filled from the results already stored, so a round open during the upgrade counts
+on from there; retries taken before the upgrade were not recorded and start at 0.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ def upgrade() -> None:
         sa.Column("run_id", sa.String(length=32), nullable=False),
         sa.Column("round", sa.Integer(), autoincrement=False, nullable=False),
         sa.Column("name", sa.String(length=200), nullable=False),
-        sa.Column("accepted", sa.Integer(), nullable=False),
+        sa.Column("accepted", sa.Integer(), server_default="0", nullable=False),
+        sa.Column("retries", sa.Integer(), server_default="0", nullable=False),
         sa.ForeignKeyConstraint(
             ["run_id"], ["runs.run_id"], name=op.f("fk_round_counts_run_id_runs"), ondelete="CASCADE"
         ),
