@@ -162,6 +162,9 @@ def test_a_job_run_to_the_end_is_watched_live_and_downloaded(
     assert len({(e["round"], e["device_id"]) for e in received}) == 4
     closed = {e["round"]: e["sequence"] for e in events if e["event"] == "round_closed"}
     assert all(e["sequence"] < closed[e["round"]] for e in received)
+    rounds_only = cli("job", "watch", job_id, "--no-results").stdout.splitlines()
+    assert rounds_only == [line for line in lines if ": result from " not in line]
+    assert len(rounds_only) == len(lines) - 4
 
     final = tmp_path / "final.npz"
     downloaded = cli("job", "download", job_id, "-o", str(final))

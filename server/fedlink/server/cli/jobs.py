@@ -354,9 +354,15 @@ def show_command(job_id: str, output_format: str, connection: ConnectionOptions)
 
 @job_group.command("watch")
 @click.argument("job_id")
+@click.option(
+    "--results/--no-results",
+    default=True,
+    show_default=True,
+    help="Show every result as it arrives (a line per device per round), or rounds and states only.",
+)
 @format_option(("text", "json"))
 @connection_options
-def watch_command(job_id: str, output_format: str, connection: ConnectionOptions) -> None:
+def watch_command(job_id: str, results: bool, output_format: str, connection: ConnectionOptions) -> None:
     """Stream a job's progress until it ends; exit 0 if it FINISHED, 1 otherwise."""
     after = 0
     failures = 0
@@ -371,6 +377,8 @@ def watch_command(job_id: str, output_format: str, connection: ConnectionOptions
                 for event in stream:
                     after = event.sequence
                     failures = 0
+                    if not results and event.HasField("result_received"):
+                        continue
                     line = json.dumps(event_dict(event), sort_keys=True) if output_format == "json" else None
                     click.echo(line if line is not None else event_line(event))
             except grpc.RpcError as exc:
