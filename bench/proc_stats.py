@@ -8,6 +8,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 _TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
 
@@ -52,7 +53,34 @@ async def cpu_percent(pid: int, seconds: float) -> float:
     return 100.0 * (cpu_seconds(pid) - before) / (loop.time() - start)
 
 
-class RssWatch:
+class _Sampler:
+    """Calls :meth:`_take` every ``interval_s`` while the context is open, and once more at its end."""
+
+    def __init__(self, pid: int, interval_s: float) -> None:
+        self._pid = pid
+        self._interval = interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Self:
+        self._task = asyncio.create_task(self._sample())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._take()
+
+    def _take(self) -> None:
+        raise NotImplementedError
+
+    async def _sample(self) -> None:
+        while True:
+            self._take()
+            await asyncio.sleep(self._interval)
+
+
+class RssWatch(_Sampler):
     """Samples a process's RSS every few milliseconds while running, keeping the maximum.
 
     VmHWM alone cannot tell a phase's peak from an earlier one; sampling also shows the phase's own
@@ -60,58 +88,24 @@ class RssWatch:
     """
 
     def __init__(self, pid: int, interval_s: float = 0.02) -> None:
-        self._pid = pid
-        self._interval = interval_s
+        super().__init__(pid, interval_s)
         self.max_rss_bytes = 0
-        self._task: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> RssWatch:
-        self._task = asyncio.create_task(self._sample())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._take()
 
     def _take(self) -> None:
         self.max_rss_bytes = max(self.max_rss_bytes, memory_use(self._pid).rss_bytes)
 
-    async def _sample(self) -> None:
-        while True:
-            self._take()
-            await asyncio.sleep(self._interval)
 
-
-class CpuTrace:
+class CpuTrace(_Sampler):
     """Samples a process's CPU time every few milliseconds on the ``time.perf_counter`` clock, so the CPU
     it spent within a window another process timed (``perf_counter`` is system-wide monotonic on Linux)
     can be read off afterwards."""
 
     def __init__(self, pid: int, interval_s: float = 0.05) -> None:
-        self._pid = pid
-        self._interval = interval_s
+        super().__init__(pid, interval_s)
         self._samples: list[tuple[float, float]] = []
-        self._task: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> CpuTrace:
-        self._task = asyncio.create_task(self._sample())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._take()
 
     def _take(self) -> None:
         self._samples.append((time.perf_counter(), cpu_seconds(self._pid)))
-
-    async def _sample(self) -> None:
-        while True:
-            self._take()
-            await asyncio.sleep(self._interval)
 
     def _at(self, when: float) -> float:
         times = [t for t, _ in self._samples]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -120,3 +121,30 @@ def test_stepwise_folding_gives_the_bits_of_whole_array_float64_math() -> None:
             total += diff.astype(np.float64) * np.float64(weight)
         np.testing.assert_array_equal(avg.result()[name], total / sum(weights))
         assert difference(updates[0][name], base).dtype == base.dtype
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "int32", "bfloat16"])
+@pytest.mark.parametrize("is_diff", [True, False])
+def test_the_new_model_has_the_bits_of_whole_array_float64_math(dtype: str, is_diff: bool) -> None:
+    # Stepwise into the new array, it must round exactly as (current.astype(float64) + mean).astype(dtype)
+    # (or mean.astype(dtype)) did; sizes span several steps and end in a partial one.
+    kind = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(7)
+    shape = (3, (1 << 16) // 3 + 1001)
+
+    def array() -> np.ndarray:
+        values = rng.normal(scale=50.0, size=shape)
+        return values.astype(kind)
+
+    current = {"w": array(), "untouched": array()}
+    average = WeightedAverage(model_spec(current))
+    for weight in (1.0, 3.0, 7.5):
+        average.add({"w": array()}, weight)
+    expected_mean = average.result()["w"]
+    expected = (current["w"].astype(np.float64) + expected_mean if is_diff else expected_mean).astype(kind)
+
+    new = apply_average(current, average, is_diff=is_diff)
+    assert new["w"].dtype == kind and new["w"].shape == shape
+    assert new["w"].tobytes() == expected.tobytes()
+    assert new["untouched"] is current["untouched"]
+    assert average.result()["w"].tobytes() == expected_mean.tobytes()  # the sums are left as they were

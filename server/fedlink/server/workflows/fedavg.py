@@ -216,17 +216,18 @@ class FedAvg:
                 await fold.finish(await self._succeeded(ctx, round_no, TRAIN_TASK), ctx.store.blobs.read_each)
         finally:
             ctx.progress.fold = None
+        count, metrics, devices = fold.average.count, dict(fold.metrics.result()), sorted(fold.devices())
         new_model = DXO(
             kind=DataKind.WEIGHTS,
             data=dict(apply_average(await fold.model.arrays(), fold.average, is_diff=True)),
             # The version a trainer sees next round: it seeds the shuffling, so rounds differ.
-            meta={MetaKey.MODEL_VERSION: round_no, "round_results": fold.average.count},
+            meta={MetaKey.MODEL_VERSION: round_no, "round_results": count},
         )
-        train_metrics = fold.metrics.result()
+        # The float64 sums (twice the model) and the round's model go before the new one is serialized
+        # (two more copies of it): the close's peak is the average's, about four times the model.
+        del fold
         new_ref = await ctx.store.blobs.put_bytes(new_model.to_bytes())
-        metrics = dict(train_metrics)
         if self.params.evaluate:
-            devices = sorted(fold.devices())
             await self._collect(ctx, round_no, EVALUATE_TASK, new_ref.sha256, devices=devices)
             evaluation = await self._succeeded(ctx, round_no, EVALUATE_TASK)
             metrics.update(await self._metrics(ctx, evaluation, prefix="eval_"))
@@ -234,9 +235,7 @@ class FedAvg:
         await ctx.store.save_checkpoint(
             ctx.run.run_id, round_no, new_ref.sha256, metrics_json, keep_last=self.params.keep_checkpoints
         )
-        await ctx.events.emit(
-            ctx.job, "round_closed", round_no, {"num_results": fold.average.count, "metrics": metrics}
-        )
+        await ctx.events.emit(ctx.job, "round_closed", round_no, {"num_results": count, "metrics": metrics})
         log.info("round closed", extra={"job_id": ctx.job.job_id, "round": round_no, **metrics})
         return new_ref.sha256, new_model
 
