@@ -4,6 +4,8 @@ A job's events are numbered max + 1 upwards under the ``(job_id, sequence)`` pri
 commit order: a watcher reading "after N" never misses an event that committed late with a smaller
 number. Appenders of one job take turns: on SQLite the database has one writer at a time anyway; on
 PostgreSQL a transaction-scoped advisory lock per job, taken in job order, serialises them until commit.
+A round's ``round_counts`` row is written in the same turn (its accepted count numbers the round's
+result_received events).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
@@ -19,11 +19,19 @@ from fedlink.server.store.bulk import insert_new_rows
 from fedlink.server.store.core import StoreCore
 from fedlink.server.store.event_log import append_job_events, lock_job_events
 from fedlink.server.store.protocol import RecordOutcome, ResultReport
-from fedlink.server.store.schema import among, assignments, results, round_counts, state_is, tasks
+from fedlink.server.store.schema import (
+    among,
+    assignments,
+    results,
+    round_counts,
+    round_counts_key,
+    state_is,
+    tasks,
+)
 
 _LEASED = AssignmentState.LEASED.value
 #: A round's results of one task name: (run id, round, task name).
-RoundKey = tuple[str, int, str]
+_RoundKey = tuple[str, int, str]
 # A report loses a race only to another report or the lease reaper; each loss settles the assignment.
 _MAX_ATTEMPTS = 3
 
@@ -81,9 +89,9 @@ class ResultQueries(StoreCore):
         def work(conn: sa.Connection) -> list[RecordOutcome | FedlinkError]:
             if write_payloads is not None:
                 write_payloads(conn)
-            placed: dict[str, _Plan] = {}
-            outcomes = _record_batch(statements, conn, reports, now, placed)
-            _result_events(conn, outcomes, placed, now)
+            written: list[_Plan] = []
+            outcomes = _record_batch(statements, conn, reports, now, written)
+            _result_events(conn, written, now)
             return outcomes
 
         return await self._db.write_sync(work)
@@ -189,7 +197,7 @@ class _Plan:
     row: dict[str, object]
     #: The task's job, and the (run, round, task name) whose results it counts among.
     job_id: str
-    group: RoundKey
+    group: _RoundKey
 
 
 def _plan(index: int, report: ResultReport, row: sa.Row[Any], now: datetime) -> _Plan:
@@ -247,9 +255,10 @@ def _record_batch(
     conn: sa.Connection,
     reports: Sequence[ResultReport],
     now: datetime,
-    placed: dict[str, _Plan],
+    written: list[_Plan],
 ) -> list[RecordOutcome | FedlinkError]:
-    """Record ``reports`` inside the caller's write transaction with a few set-based statements.
+    """Record ``reports`` inside the caller's write transaction with a few set-based statements; the
+    plans of the results written are appended to ``written``, in the order they were written.
 
     One SELECT of the assignments (with their tasks and any results they have), an UPDATE per next
     assignment state, one multi-row INSERT of results. A report that lost a race (or that
@@ -257,11 +266,11 @@ def _record_batch(
     """
     outcomes: list[RecordOutcome | FedlinkError | None] = [None] * len(reports)
     plans, again = _judge(statements, conn, reports, now, outcomes)
-    _write(statements, conn, plans, outcomes, placed)
+    _write(statements, conn, plans, outcomes, written)
     again.extend(p.index for p in plans.values() if outcomes[p.index] is None)
     for index in sorted(again):
         try:
-            outcomes[index] = _record_one(statements, conn, reports[index], now, placed)
+            outcomes[index] = _record_one(statements, conn, reports[index], now, written)
         except FedlinkError as error:
             outcomes[index] = error
     return [o for o in outcomes if o is not None]
@@ -305,7 +314,7 @@ def _write(
     conn: sa.Connection,
     plans: dict[str, _Plan],
     outcomes: list[RecordOutcome | FedlinkError | None],
-    placed: dict[str, _Plan],
+    written: list[_Plan],
 ) -> None:
     """Move the assignments (one UPDATE per next state), then insert the results of those that moved."""
     by_target: dict[AssignmentState, list[str]] = {}
@@ -326,7 +335,7 @@ def _write(
     for plan in plans.values():  # a lost plan's row was not written: its fresh id cannot be in
         if plan.row["result_id"] in went_in:
             outcomes[plan.index] = _recorded(plan)
-            placed[str(plan.row["result_id"])] = plan
+            written.append(plan)
 
 
 def _record_one(
@@ -334,7 +343,7 @@ def _record_one(
     conn: sa.Connection,
     report: ResultReport,
     now: datetime,
-    placed: dict[str, _Plan],
+    written: list[_Plan],
 ) -> RecordOutcome:
     """Record one report, judging it again after each race it loses."""
     params = {"assignment_id": report.assignment_id}
@@ -352,7 +361,7 @@ def _record_one(
             if moved.rowcount != 1:
                 continue  # another report or the reaper got there first: judge again
         if insert_new_rows(conn, statements.insert, results.c.result_id, [plan.row]):
-            placed[str(plan.row["result_id"])] = plan
+            written.append(plan)
             return _recorded(plan)
     raise Conflict(f"assignment {report.assignment_id} changed while its result was being recorded")
 
@@ -360,34 +369,22 @@ def _record_one(
 _RESULT_RECEIVED = "result_received"
 
 
-def _result_events(
-    conn: sa.Connection,
-    outcomes: Sequence[RecordOutcome | FedlinkError],
-    placed: Mapping[str, _Plan],
-    now: datetime,
-) -> None:
-    """A ``result_received`` job event per result this batch recorded that counts (accepted, or failed:
-    late ones count for nothing), in the batch's transaction: an event exists exactly when its result
-    does. Its ``num_results`` is how many results of the round (and task name) were accepted with it.
-    ``placed``: the plans of the results this batch wrote, by result id."""
-    new = [
-        o.result for o in outcomes if isinstance(o, RecordOutcome) and not o.duplicate and not o.result.stale
-    ]
-    if not new:
+def _result_events(conn: sa.Connection, written: Sequence[_Plan], now: datetime) -> None:
+    """A ``result_received`` job event per result this batch ``written`` that counts (accepted, or
+    failed: late ones count for nothing), in the batch's transaction: an event exists exactly when its
+    result does. Its ``num_results`` is how many results of the round (and task name) were accepted
+    with it."""
+    counted = [plan for plan in written if not plan.row["stale"]]
+    if not counted:
         return
-    plan_of = {r.result_id: placed[r.result_id] for r in new}
     # The rounds' accepted counts move on by this batch's, in the events' turn (a concurrent batch's
     # results are counted wholly before or after these).
-    lock_job_events(conn, (p.job_id for p in plan_of.values()))
-    adding = Counter(plan_of[r.result_id].group for r in new if r.accepted)
-    running: dict[RoundKey, int] = {}
-    for key in sorted({p.group for p in plan_of.values()}):
+    lock_job_events(conn, (plan.job_id for plan in counted))
+    adding = Counter(plan.group for plan in counted if plan.row["accepted"])
+    running: dict[_RoundKey, int] = {}
+    for key in sorted({plan.group for plan in counted}):
         run_id, round_no, name = key
-        where = (
-            round_counts.c.run_id == run_id,
-            round_counts.c.round == round_no,
-            round_counts.c.name == name,
-        )
+        where = round_counts_key(run_id, round_no, name)
         found: int | None = conn.execute(sa.select(round_counts.c.accepted).where(*where)).scalar()
         running[key] = found or 0
         if not adding[key]:
@@ -398,14 +395,12 @@ def _result_events(
         else:
             conn.execute(sa.update(round_counts).where(*where).values(accepted=found + adding[key]))
     events = []
-    for result in new:
-        plan = plan_of[result.result_id]
-        key = plan.group
-        running[key] += result.accepted
+    for plan in counted:
+        running[plan.group] += bool(plan.row["accepted"])
         # What json.dumps(..., sort_keys=True) writes, without its per-call cost (10,000 per round).
         body = (
-            f'{{"device_id": {json.dumps(result.device_id)}, "num_results": {running[key]}, '
-            f'"round": {key[1]}, "status": "{result.status.value}"}}'
+            f'{{"device_id": {json.dumps(plan.report.device_id)}, "num_results": {running[plan.group]}, '
+            f'"round": {plan.group[1]}, "status": "{plan.report.status.value}"}}'
         )
         events.append((plan.job_id, _RESULT_RECEIVED, body))
     append_job_events(conn, events, now)

@@ -1,4 +1,4 @@
-"""Read-side queries the workflows and the device protocol need about a round's tasks."""
+"""What the workflows and the device protocol ask and change about a round: its tasks, its counts."""
 
 from __future__ import annotations
 
@@ -17,17 +17,12 @@ from fedlink.server.store.schema import (
     assignments,
     results,
     round_counts,
+    round_counts_key,
     runs,
     task_offers,
     task_targets,
     tasks,
 )
-
-
-def _round_key(run_id: str, round: int, name: str) -> tuple[sa.ColumnElement[bool], ...]:
-    """The ``round_counts`` row of a round's tasks of one name."""
-    return (round_counts.c.run_id == run_id, round_counts.c.round == round, round_counts.c.name == name)
-
 
 # Keeps IN lists well below SQLite's bound-parameter limit.
 _IN_BATCH = 500
@@ -126,7 +121,7 @@ class RoundQueries(StoreCore):
 
     async def round_retries(self, *, run_id: str, round: int, name: str) -> int:
         """How many retries of a round of one name :meth:`count_round_retry` counted."""
-        query = sa.select(round_counts.c.retries).where(*_round_key(run_id, round, name))
+        query = sa.select(round_counts.c.retries).where(*round_counts_key(run_id, round, name))
         async with self._db.read() as conn:
             found: int | None = (await conn.execute(query)).scalar()
         return found or 0
@@ -137,7 +132,7 @@ class RoundQueries(StoreCore):
         NotFound if the run does not exist. The round's row is written in its job's event turn, as
         the report path writes it (see :mod:`~fedlink.server.store.event_log`).
         """
-        key = _round_key(run_id, round, name)
+        key = round_counts_key(run_id, round, name)
 
         def work(conn: sa.Connection) -> int:
             job_id = conn.execute(sa.select(runs.c.job_id).where(runs.c.run_id == run_id)).scalar()
