@@ -17,6 +17,7 @@ from functools import lru_cache
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Dialect
 
 #: Rows per statement at most (SQLite's parameter limit may allow fewer; see _Shape.rows_per_statement).
@@ -66,10 +67,28 @@ def insert_rows(conn: sa.Connection, table: sa.Table, rows: Sequence[Mapping[str
     """INSERTs ``rows`` (each with the same keys) into ``table`` inside the caller's transaction."""
     if not rows:
         return
+    if conn.dialect.name == "postgresql":
+        _insert_postgresql(conn, table, rows)
+        return
     if conn.dialect.name != "sqlite":
         conn.execute(sa.insert(table), list(rows))
         return
     _insert_sqlite(conn, table, rows, "")
+
+
+@lru_cache(maxsize=64)
+def _unnest_insert(table: sa.Table, keys: tuple[str, ...]) -> sa.Insert:
+    """``INSERT INTO table (keys) SELECT * FROM unnest(:k1, :k2, ...)``: one array per column."""
+    arrays = [sa.cast(sa.bindparam(key), postgresql.ARRAY(table.c[key].type)) for key in keys]
+    rows = sa.select(sa.func.unnest(*arrays).table_valued(*keys).render_derived())
+    return sa.insert(table).from_select(list(keys), rows)
+
+
+def _insert_postgresql(conn: sa.Connection, table: sa.Table, rows: Sequence[Mapping[str, Any]]) -> None:
+    """All ``rows`` in one statement, a column per array: an executemany of 100 rows had cost a
+    round trip per row's worth of protocol (9 ms here) where this costs one."""
+    keys = tuple(rows[0])
+    conn.execute(_unnest_insert(table, keys), {key: [row[key] for row in rows] for key in keys})
 
 
 def _insert_sqlite(conn: sa.Connection, table: sa.Table, rows: Sequence[Mapping[str, Any]], tail: str) -> int:

@@ -4,8 +4,6 @@ A job's events are numbered max + 1 upwards under the ``(job_id, sequence)`` pri
 commit order: a watcher reading "after N" never misses an event that committed late with a smaller
 number. Appenders of one job take turns: on SQLite the database has one writer at a time anyway; on
 PostgreSQL a transaction-scoped advisory lock per job, taken in job order, serialises them until commit.
-A round's ``round_counts`` row is written in the same turn (its accepted count numbers the round's
-result_received events).
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ def _lock_key(job_id: str) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-def lock_job_events(conn: sa.Connection, job_ids: Iterable[str]) -> None:
+def _lock_job_events(conn: sa.Connection, job_ids: Iterable[str]) -> None:
     """Waits for the turn to append events of these jobs (until the transaction ends; on PostgreSQL:
     SQLite's single writer has it already). Taking it again in the same transaction is free."""
     if conn.dialect.name == "postgresql":
@@ -46,7 +44,7 @@ def append_job_events(
         by_job.setdefault(job_id, []).append(index)
     sequences = [0] * len(events)
     rows: list[dict[str, object]] = []
-    lock_job_events(conn, by_job)
+    _lock_job_events(conn, by_job)
     for job_id in sorted(by_job):
         last = conn.execute(
             sa.select(sa.func.coalesce(sa.func.max(job_events.c.sequence), 0)).where(

@@ -17,14 +17,13 @@ from fedlink.server.store import rows
 from fedlink.server.store.blobs import SqlBlobStore
 from fedlink.server.store.bulk import insert_new_rows
 from fedlink.server.store.core import StoreCore
-from fedlink.server.store.event_log import append_job_events, lock_job_events
+from fedlink.server.store.event_log import append_job_events
 from fedlink.server.store.protocol import RecordOutcome, ResultReport
+from fedlink.server.store.rounds import add_to_round_counts
 from fedlink.server.store.schema import (
     among,
     assignments,
     results,
-    round_counts,
-    round_counts_key,
     state_is,
     tasks,
 )
@@ -377,23 +376,13 @@ def _result_events(conn: sa.Connection, written: Sequence[_Plan], now: datetime)
     counted = [plan for plan in written if not plan.row["stale"]]
     if not counted:
         return
-    # The rounds' accepted counts move on by this batch's, in the events' turn (a concurrent batch's
-    # results are counted wholly before or after these).
-    lock_job_events(conn, (plan.job_id for plan in counted))
+    # The rounds' accepted counts move on by this batch's; each round's row stays locked until commit,
+    # so a concurrent batch's results are counted (and their events numbered) wholly before or after.
     adding = Counter(plan.group for plan in counted if plan.row["accepted"])
     running: dict[_RoundKey, int] = {}
     for key in sorted({plan.group for plan in counted}):
-        run_id, round_no, name = key
-        where = round_counts_key(run_id, round_no, name)
-        found: int | None = conn.execute(sa.select(round_counts.c.accepted).where(*where)).scalar()
-        running[key] = found or 0
-        if not adding[key]:
-            continue
-        if found is None:
-            values = {"run_id": run_id, "round": round_no, "name": name, "accepted": adding[key]}
-            conn.execute(sa.insert(round_counts).values(**values))
-        else:
-            conn.execute(sa.update(round_counts).where(*where).values(accepted=found + adding[key]))
+        total, _ = add_to_round_counts(conn, *key, accepted=adding[key])
+        running[key] = total - adding[key]
     events = []
     for plan in counted:
         running[plan.group] += bool(plan.row["accepted"])

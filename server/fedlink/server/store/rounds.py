@@ -6,23 +6,43 @@ from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
 
 from fedlink.common.errors import NotFound
 from fedlink.server.domain import Assignment, AssignmentState, ResultStatus, TaskState
 from fedlink.server.store import rows
 from fedlink.server.store.core import StoreCore
-from fedlink.server.store.event_log import lock_job_events
 from fedlink.server.store.protocol import ResultOutline, RoundSummary
 from fedlink.server.store.schema import (
     assignments,
     results,
     round_counts,
-    round_counts_key,
     runs,
     task_offers,
     task_targets,
     tasks,
 )
+
+
+def add_to_round_counts(
+    conn: sa.Connection, run_id: str, round: int, name: str, *, accepted: int = 0, retries: int = 0
+) -> tuple[int, int]:
+    """Adds to a round's ``round_counts`` row (made if missing) in one statement; returns its
+    (accepted, retries) after. The row stays locked until the transaction ends, so concurrent adders
+    take turns and each sees the others' committed counts."""
+    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
+    row = {"run_id": run_id, "round": round, "name": name, "accepted": accepted, "retries": retries}
+    insert = dialect.insert(round_counts).values(**row)
+    upsert = insert.on_conflict_do_update(
+        index_elements=[round_counts.c.run_id, round_counts.c.round, round_counts.c.name],
+        set_={
+            "accepted": round_counts.c.accepted + insert.excluded.accepted,
+            "retries": round_counts.c.retries + insert.excluded.retries,
+        },
+    ).returning(round_counts.c.accepted, round_counts.c.retries)
+    after = conn.execute(upsert).one()
+    return int(after[0]), int(after[1])
+
 
 # Keeps IN lists well below SQLite's bound-parameter limit.
 _IN_BATCH = 500
@@ -121,7 +141,9 @@ class RoundQueries(StoreCore):
 
     async def round_retries(self, *, run_id: str, round: int, name: str) -> int:
         """How many retries of a round of one name :meth:`count_round_retry` counted."""
-        query = sa.select(round_counts.c.retries).where(*round_counts_key(run_id, round, name))
+        query = sa.select(round_counts.c.retries).where(
+            round_counts.c.run_id == run_id, round_counts.c.round == round, round_counts.c.name == name
+        )
         async with self._db.read() as conn:
             found: int | None = (await conn.execute(query)).scalar()
         return found or 0
@@ -129,23 +151,13 @@ class RoundQueries(StoreCore):
     async def count_round_retry(self, *, run_id: str, round: int, name: str) -> int:
         """Count one more retry of a round of one name; return the retries counted, this one included.
 
-        NotFound if the run does not exist. The round's row is written in its job's event turn, as
-        the report path writes it (see :mod:`~fedlink.server.store.event_log`).
+        NotFound if the run does not exist.
         """
-        key = round_counts_key(run_id, round, name)
 
         def work(conn: sa.Connection) -> int:
-            job_id = conn.execute(sa.select(runs.c.job_id).where(runs.c.run_id == run_id)).scalar()
-            if job_id is None:
+            if conn.execute(sa.select(runs.c.run_id).where(runs.c.run_id == run_id)).first() is None:
                 raise NotFound(f"run {run_id} does not exist")
-            lock_job_events(conn, [job_id])
-            moved = conn.execute(
-                sa.update(round_counts).where(*key).values(retries=round_counts.c.retries + 1)
-            )
-            if moved.rowcount == 0:
-                row = {"run_id": run_id, "round": round, "name": name, "accepted": 0, "retries": 1}
-                conn.execute(sa.insert(round_counts).values(**row))
-            return int(conn.execute(sa.select(round_counts.c.retries).where(*key)).scalar_one())
+            return add_to_round_counts(conn, run_id, round, name, retries=1)[1]
 
         return await self._db.write_sync(work)
 

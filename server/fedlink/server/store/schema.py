@@ -378,11 +378,6 @@ round_counts = sa.Table(
 )
 
 
-def round_counts_key(run_id: str, round: int, name: str) -> tuple[sa.ColumnElement[bool], ...]:
-    """The ``round_counts`` row of a round's tasks of one name, as WHERE conditions."""
-    return (round_counts.c.run_id == run_id, round_counts.c.round == round, round_counts.c.name == name)
-
-
 job_events = sa.Table(
     "job_events",
     metadata,
