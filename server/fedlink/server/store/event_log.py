@@ -25,8 +25,8 @@ def _lock_key(job_id: str) -> int:
 
 
 def _lock_job_events(conn: sa.Connection, job_ids: Iterable[str]) -> None:
-    """Waits for the turn to append events of these jobs (until the transaction ends; on PostgreSQL:
-    SQLite's single writer has it already). Taking it again in the same transaction is free."""
+    """Waits for the turn to append events of these jobs, held until the transaction ends (PostgreSQL
+    only: SQLite's single writer has it already)."""
     if conn.dialect.name == "postgresql":
         for job_id in sorted(set(job_ids)):  # one order for every appender: none waits on another's
             conn.execute(sa.select(sa.func.pg_advisory_xact_lock(_lock_key(job_id))))
