@@ -58,7 +58,7 @@ def benchmark_job(floats: int, rounds: int, *, round_timeout_s: float = 3600.0) 
     """FedAvg over every device every round (``fraction=1``, no evaluation) on Flower's initial model."""
     return SimulationJob(
         name="bench-fedavg",
-        params=FedAvgParams(num_rounds=rounds, fraction=1.0, round_timeout_s=round_timeout_s),
+        workflow=FedAvgParams(num_rounds=rounds, fraction=1.0, round_timeout_s=round_timeout_s),
         model={MODEL_KEY: initial_model(floats)},
         job_data={
             "components": [{"type": TRAINER_TYPE, "name": "trainer"}],

@@ -42,3 +42,28 @@ def test_buf_lint_catches_an_undocumented_message(buf: str, repo_root: Path, tmp
     result = run_buf(buf, "lint", cwd=copy)
     assert result.returncode != 0
     assert "Undocumented" in result.stdout + result.stderr
+
+
+#: The wire API as released (fedlink.v1 before the workflows issue): ``buf build -o`` of proto/ then.
+#: Changes to v1 must be additive; a breaking one needs a fedlink.v2 package, not an edit here.
+BASELINE = Path("baseline") / "fedlink-v1.binpb"
+
+
+def test_buf_breaking_finds_no_change_that_breaks_the_released_v1(buf: str, repo_root: Path) -> None:
+    result = run_buf(buf, "breaking", "--against", str(BASELINE), cwd=repo_root / "proto")
+    assert result.returncode == 0, f"a breaking change to fedlink.v1:\n{result.stdout}{result.stderr}"
+
+
+def test_buf_breaking_catches_a_removed_field(buf: str, repo_root: Path, tmp_path: Path) -> None:
+    # Proves the check is live: dropping a field of the released API must fail it.
+    copy = tmp_path / "proto"
+    shutil.copytree(repo_root / "proto", copy, ignore=shutil.ignore_patterns("gen", "*.py"))
+    control = copy / "fedlink" / "v1" / "control_service.proto"
+    text = control.read_text()
+    assert "  string message = 7;\n" in text
+    control.write_text(
+        text.replace("  // Why the job failed or was aborted; empty otherwise.\n  string message = 7;\n", "")
+    )
+    result = run_buf(buf, "breaking", "--against", str(BASELINE), cwd=copy)
+    assert result.returncode != 0
+    assert "message" in result.stdout + result.stderr

@@ -53,7 +53,7 @@ def softmax_job(*, rounds: int, epochs: int = 1, fraction: float = 1.0, **fedavg
     trainer = {"epochs": epochs, "learning_rate": 0.5, "batch_size": 8, "seed": 0}
     return SimulationJob(
         name="digits",
-        params=FedAvgParams(num_rounds=rounds, fraction=fraction, round_timeout_s=60.0, **fedavg),
+        workflow=FedAvgParams(num_rounds=rounds, fraction=fraction, round_timeout_s=60.0, **fedavg),
         model={"weight": np.zeros((64, 10), np.float32), "bias": np.zeros(10, np.float32)},
         job_data={"components": [{"type": "SoftmaxRegressionTrainer", "name": "trainer", "args": trainer}]},
     )
@@ -125,4 +125,4 @@ def job_with(executor_model: dict[str, npt.NDArray[Any]] | None = None, **fedavg
     """A job without job_data (the executor comes as ``runner=``)."""
     fedavg.setdefault("num_rounds", 1)
     fedavg.setdefault("round_timeout_s", 30.0)
-    return SimulationJob(name="plain", params=FedAvgParams(**fedavg), model=executor_model or small_model())
+    return SimulationJob(name="plain", workflow=FedAvgParams(**fedavg), model=executor_model or small_model())

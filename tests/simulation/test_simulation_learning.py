@@ -105,6 +105,8 @@ def test_bad_arguments_are_refused_before_anything_runs() -> None:
         run_simulation(job_with(), 0, runner=AddPartition())
     with pytest.raises(InvalidArgument, match="no job_data"):
         run_simulation(job_with(), 2)
-    both = SimulationJob(name="x", params=job_with().params, model=small_model(), job_data={"components": []})
+    both = SimulationJob(
+        name="x", workflow=job_with().workflow, model=small_model(), job_data={"components": []}
+    )
     with pytest.raises(InvalidArgument, match="not both"):
         run_simulation(both, 2, runner=AddPartition())

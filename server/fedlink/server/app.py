@@ -170,7 +170,6 @@ class Coordinator:
                         control_protocol,
                         store.blobs,
                         max_model_bytes=2 * 1024**3,
-                        default_keep=s.keep_checkpoints,
                     ),
                     _AdminAuth(self.admin_token, store),
                     self.telemetry,

@@ -18,18 +18,19 @@ from pathlib import Path
 from types import TracebackType
 
 from fedlink.common.dxo import DXO
+from fedlink.server.coordination.known_tasks import KnownTasks
+from fedlink.server.coordination.notify import LocalTaskNotifier
 from fedlink.server.domain import Clock, SystemClock, Task
 from fedlink.server.protocol.control import ControlProtocol
 from fedlink.server.protocol.cookies import CookieSigner
 from fedlink.server.protocol.device import DeviceProtocol, DeviceProtocolConfig, ResultListener
 from fedlink.server.protocol.events import JobEvents
-from fedlink.server.protocol.notify import LocalTaskNotifier
-from fedlink.server.protocol.reads import KnownTasks
 from fedlink.server.protocol.results import ModelTaskValidator
 from fedlink.server.services.maintenance import Maintenance
 from fedlink.server.services.supervisor import JobSupervisor
 from fedlink.server.settings import CoordinatorSettings
 from fedlink.server.store.sql import SqlStateStore, create_store
+from fedlink.server.workflows.registry import DriverOptions, WorkflowLimits, Workflows
 
 #: Largest model (initial or uploaded blob) the coordinator accepts.
 MAX_MODEL_BYTES = 2 * 1024**3
@@ -44,14 +45,14 @@ class _PokeSupervisor(ResultListener):
         self._supervisor.progress(job_id)
         self._events.wake(job_id)  # the result's result_received event is stored: watchers see it now
 
-    def reserve(self, job_id: str, task: Task, request_id: str, update: DXO) -> bool:
-        fold = self._supervisor.fold(job_id)
-        return fold is not None and fold.reserve(task.task_id, request_id, update)
+    def offer(self, job_id: str, task: Task, request_id: str, update: DXO) -> bool:
+        sink = self._supervisor.sink(job_id)
+        return sink is not None and sink.offer(task.task_id, request_id, update)
 
     def settle(self, job_id: str, task: Task, request_id: str, *, accepted: bool) -> None:
-        fold = self._supervisor.fold(job_id)
-        if fold is not None:
-            fold.settle(task.task_id, request_id, accepted=accepted)
+        sink = self._supervisor.sink(job_id)
+        if sink is not None:
+            sink.settle(task.task_id, request_id, accepted=accepted)
 
 
 def coordinator_id(data_dir: Path) -> str:
@@ -151,14 +152,21 @@ class CoordinatorCore:
         notifier = LocalTaskNotifier()
         events = JobEvents(store)
         owner = coordinator_id(s.data_dir)
+        workflows = Workflows(
+            WorkflowLimits(
+                allow_workflows=s.allow_workflows,
+                max_buffered_round_bytes=s.max_buffered_round_bytes,
+                defaults={"keep_checkpoints": s.keep_checkpoints},
+            ),
+            DriverOptions(poll_seconds=self._poll, round_check_seconds=self._round_check),
+        )
         supervisor = JobSupervisor(
             store,
             clock=self.clock,
             notifier=notifier,
             events=events,
             owner=owner,
-            poll_seconds=self._poll,
-            round_check_seconds=self._round_check,
+            workflows=workflows,
             known_tasks=self.known_tasks,
         )
         self.supervisor = supervisor
@@ -189,6 +197,7 @@ class CoordinatorCore:
             on_job_change=supervisor.poke,
             on_device_revoked=self._device_revoked,
             max_model_bytes=MAX_MODEL_BYTES,
+            workflows=workflows,
         )
         maintenance = Maintenance(
             store,

@@ -134,7 +134,15 @@ class CoordinatorSettings:
     """How often expired leases, closed deadlines and offline devices are swept."""
 
     keep_checkpoints: int = 3
-    """Round checkpoints kept per run besides the final model."""
+    """Round checkpoints kept per run besides the final model, unless a job says otherwise."""
+
+    allow_workflows: tuple[str, ...] = ()
+    """Modules whose workflows a job may name by import path (``pkg.module:factory``): fnmatch patterns
+    such as ``mypkg.*`` (comma-separated in env). That is code run in the coordinator: empty allows none."""
+
+    max_buffered_round_bytes: int = 2 * 1024**3
+    """Most bytes of updates a round may hold in memory: robust aggregation (median, trimmed mean, Krum)
+    keeps a round's updates, so a job whose devices_per_round × model size exceeds this is refused."""
 
     auto_migrate: bool | None = None
     """Apply pending schema migrations at start; unset: yes for SQLite, no for other databases."""
@@ -214,6 +222,8 @@ def _validate_limits(s: CoordinatorSettings) -> None:
         raise InvalidArgument("inline_payload_bytes must be positive and at most max_message_bytes")
     if s.keep_checkpoints < 0:
         raise InvalidArgument("keep_checkpoints must not be negative")
+    if s.max_buffered_round_bytes < 1:
+        raise InvalidArgument("max_buffered_round_bytes must be positive")
 
 
 def split_address(address: str, *, what: str = "address") -> tuple[str, int]:
@@ -322,7 +332,7 @@ def _parse_path(value: object) -> Path:
 def _parse_names(value: object) -> tuple[str, ...]:
     items: list[object]
     if isinstance(value, str):
-        items = [part.strip() for part in value.split(",")]
+        items = [part.strip() for part in value.split(",")] if value.strip() else []
     elif isinstance(value, list | tuple):
         items = list(value)
     else:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fedlink.runner.spec import DataSource
+from fedlink.server.workflows import registry
 from fedlink.simulation.backends import check_backend, create_pool
 from fedlink.simulation.engine import Plan, RunnerArg, make_plan, simulate
 from fedlink.simulation.heterogeneity import Heterogeneity
@@ -131,7 +132,7 @@ def _prepare(
         transport=transport,
     )
     if progress is True:
-        sinks.append(ProgressLine(plan.job.params.num_rounds, num_devices))
+        sinks.append(ProgressLine(registry.num_steps(plan.job.spec), num_devices))
     elif progress is not False:
         sinks.append(progress)
     if metrics_jsonl is not None:

@@ -43,7 +43,7 @@ from fedlink.runner.transport.grpc_transport import GrpcTransport, GrpcTransport
 from fedlink.runner.transport.state import Identity, StateDir
 from fedlink.server.app import Coordinator
 from fedlink.server.core import CoordinatorCore
-from fedlink.server.domain import JobEvent, JobState, ResultStatus
+from fedlink.server.domain import JobEvent, JobState, ResultStatus, WorkflowSpec
 from fedlink.server.gc_tuning import GC_CONTROL
 from fedlink.server.protocol.control import JobSubmission
 from fedlink.server.protocol.events import JOB_STATE_CHANGED
@@ -134,7 +134,9 @@ def make_plan(
     if isinstance(runner, ResolverRegistry):
         app = runner
     elif isinstance(runner, Mapping | str):
-        job_data = SimulationJob(name=job.name, params=job.params, model={}, job_data=runner).job_data_json()
+        job_data = SimulationJob(
+            name=job.name, workflow=job.workflow, model={}, job_data=runner
+        ).job_data_json()
     elif runner is not None:
         if not isinstance(runner, Executor):
             raise InvalidArgument(
@@ -154,10 +156,10 @@ def make_plan(
         )
     if store != ":memory:" and Path(store).exists():
         raise InvalidArgument(f"store file {store} exists already: give a new path (or ':memory:')")
-    params = job.params
+    params = job.params()  # checked now, not after the devices are enrolled
     if timeout is None:
-        per_round = params.round_timeout_s * (params.max_round_retries + 1) * (2 if params.evaluate else 1)
-        timeout = params.num_rounds * per_round + 60.0
+        bound = None if params is None else params.time_bound_s()
+        timeout = math.inf if bound is None else bound + 60.0
     if not (isinstance(timeout, int | float) and timeout > 0):
         raise InvalidArgument(f"timeout must be a positive number of seconds, not {timeout!r}")
     hetero = heterogeneity or Heterogeneity()
@@ -173,12 +175,18 @@ def make_plan(
         data=data,
         device_info={"simulation": "true", **dict(device_info or {})},
         heterogeneity=hetero,
-        seed=params.seed,
+        seed=_job_seed(job.spec),
         store=store,
         timeout_s=float(timeout),
         transport=transport,
         sinks=tuple(sinks),
     )
+
+
+def _job_seed(spec: WorkflowSpec) -> int:
+    """The workflow's sampling seed, which also seeds the heterogeneity draws (0 if it has none)."""
+    seed = spec.config.get("seed", 0)
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) else 0
 
 
 class _WorkflowErrors(logging.Handler):
@@ -215,6 +223,8 @@ def _settings(plan: Plan, workdir: Path) -> CoordinatorSettings:
         "default_task_wait": _TASK_WAIT,
         "reaper_interval": timedelta(seconds=0.5),
         "auto_migrate": True,
+        # The simulation runs in the user's own process: a workflow of their own needs no allowing.
+        "allow_workflows": ("*",),
     }
     if plan.transport == "grpc":
         # The wire's own limits (large models go as blob streams), on loopback, without TLS.
@@ -346,7 +356,7 @@ async def _run(
     view = await core.control_protocol.submit_job(
         JobSubmission(
             name=job.name,
-            params=job.params,
+            workflow=job.spec,
             job_data=plan.job_data,
             initial_model_sha256=model_ref.sha256,
             device_selector=dict(job.device_selector),
@@ -376,7 +386,7 @@ async def _run(
     ticker = asyncio.create_task(_tick(plan.sinks, hub.counts))
     try:
         try:
-            async with asyncio.timeout(plan.timeout_s):
+            async with asyncio.timeout(None if math.isinf(plan.timeout_s) else plan.timeout_s):
                 rounds = await _follow(core, job_id, plan.sinks)
         except TimeoutError:
             await core.control_protocol.abort_job(job_id, "simulation timed out")

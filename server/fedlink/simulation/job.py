@@ -12,17 +12,22 @@ import numpy.typing as npt
 
 from fedlink.common.dxo import DXO, DataKind
 from fedlink.common.errors import InvalidArgument
-from fedlink.server.workflows.fedavg import FedAvgParams
+from fedlink.server.domain import WorkflowSpec
+from fedlink.server.workflows import registry
+from fedlink.server.workflows.params import WorkflowParams
 
 __all__ = ["SimulationJob"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SimulationJob:
-    """A FedAvg job: the same definition the coordinator accepts (see ``fedlink job submit``)."""
+    """A job: the same definition the coordinator accepts (see ``fedlink job submit``)."""
 
     name: str
-    params: FedAvgParams
+    #: The workflow: a built-in's parameters (``FedAvgParams(num_rounds=5)``, ``FedAdamParams(...)``),
+    #: or a :class:`~fedlink.server.domain.WorkflowSpec` (a built-in's name or an import path, and its
+    #: config). The simulation is the operator's own process: import-path workflows need no allowing.
+    workflow: WorkflowParams | WorkflowSpec
     #: The initial global model: named arrays, or a WEIGHTS DXO.
     model: Mapping[str, npt.NDArray[Any]] | DXO = field(repr=False)
     #: The runner configuration (NVFlare edge format) as a mapping or JSON text; empty means none
@@ -39,22 +44,49 @@ class SimulationJob:
         Raises:
             InvalidArgument: the file or its model is missing or malformed (the message names the key).
         """
-        from fedlink.server.api.control_servicer import fedavg_params
         from fedlink.server.cli.jobfile import load_job_file
 
         loaded = load_job_file(Path(path))
-        params = fedavg_params(loaded.fedavg, default_keep=FedAvgParams(num_rounds=1).keep_checkpoints)
         return cls(
             name=loaded.name,
-            params=params,
+            workflow=loaded.workflow,
             model=DXO.from_bytes(loaded.model_bytes),
             job_data=loaded.job_data,
             device_selector=dict(loaded.device_selector),
         )
 
+    @property
+    def spec(self) -> WorkflowSpec:
+        """The job's workflow spec (a built-in's every parameter written out).
+
+        Raises:
+            InvalidArgument: the workflow is not a built-in's parameters or a spec.
+        """
+        if isinstance(self.workflow, WorkflowSpec):
+            return self.workflow
+        if isinstance(self.workflow, WorkflowParams):
+            return registry.spec_of(self.workflow)
+        raise InvalidArgument(
+            f"workflow must be a built-in's parameters (e.g. FedAvgParams) or a WorkflowSpec, not "
+            f"{type(self.workflow).__name__}"
+        )
+
+    def params(self) -> WorkflowParams | None:
+        """The parameters of a built-in workflow (checked); None for an import-path workflow.
+
+        Raises:
+            InvalidArgument: an unknown workflow or a bad parameter.
+        """
+        spec = self.spec
+        return None if spec.is_import_path else registry.parse(spec)
+
     def with_seed(self, seed: int | None) -> SimulationJob:
-        """This job with FedAvg's sampling seed replaced (unchanged for None)."""
-        return self if seed is None else replace(self, params=replace(self.params, seed=seed))
+        """This job with its workflow's sampling seed replaced (unchanged for None, or a workflow of
+        one's own: its config is its own)."""
+        params = self.params()
+        if seed is None or params is None:
+            return self
+        return replace(self, workflow=params.with_seed(seed))
 
     def model_dxo(self) -> DXO:
         """The initial model as a WEIGHTS DXO.

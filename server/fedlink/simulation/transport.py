@@ -35,7 +35,16 @@ from fedlink.common.errors import FailedPrecondition
 from fedlink.common.status import DeviceStatus
 from fedlink.common.version import PROTOCOL_VERSION
 from fedlink.runner.loop import TaskWork, TaskWorker
-from fedlink.runner.transport.base import Ack, JobOffer, LeaseAck, ResultReport, Status, TaskOffer, Transport
+from fedlink.runner.transport.base import (
+    Ack,
+    JobOffer,
+    LeaseAck,
+    ResultReport,
+    Status,
+    TaskOffer,
+    Transport,
+    with_model_version,
+)
 from fedlink.server.core import CoordinatorCore
 from fedlink.server.credentials import hash_credential
 from fedlink.server.domain import Device, ResultStatus, new_id
@@ -347,11 +356,11 @@ class InProcessTransport(Transport):
                 decoded=result,
             )
             reply = await self._hub.core.device_protocol.report_result(self._seen(), request)
-            fold = self._hub.core.supervisor.fold(report.job_id) if result is not None else None
-            if fold is not None and reply.status is DeviceStatus.OK:
-                # The slot is kept until the run's driver folded this result (or its fold stalls):
-                # results are made no faster than they are folded, so none has to be stored instead.
-                await fold.folded(report.task_id, patience=_FOLD_PATIENCE_S)
+            sink = self._hub.core.supervisor.sink(report.job_id) if result is not None else None
+            if sink is not None and reply.status is DeviceStatus.OK:
+                # The slot is kept until the run's driver used this result (or its sink stalls):
+                # results are made no faster than they are used, so none has to be stored instead.
+                await sink.absorbed(report.task_id, patience=_FOLD_PATIENCE_S)
         finally:
             self._set_busy(False)
             self._let_go()
@@ -404,14 +413,17 @@ class _GatedWorker:
 def _offer(reply: TaskReply, data: DXO | None) -> TaskOffer:
     task, assignment = reply.task, reply.assignment
     retry: timedelta | None = reply.retry_after
+    version = task.model_version if task else None
     return TaskOffer(
         status=_STATUS[reply.status],
         task_id=task.task_id if task else "",
         task_name=task.name if task else "",
-        task_data=data,
+        task_data=with_model_version(data, version),
         cookie=reply.cookie,
         deadline=task.deadline if task else None,
         lease_expires_at=assignment.lease_expires_at if assignment else None,
         retry_after=retry,
         assignment_id=assignment.assignment_id if assignment else "",
+        round=task.round if task else 0,
+        model_version=version,
     )

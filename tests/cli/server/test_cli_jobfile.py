@@ -76,8 +76,9 @@ def test_a_json_file_with_an_absolute_model_path_works(folder: Path, tmp_path: P
     }
     path.write_text(json.dumps(document))
     job = load_job_file(path)
-    assert job.fedavg.fraction == 0.5
-    assert not job.fedavg.HasField("round_timeout")  # unset: the coordinator's default
+    assert job.workflow.name == "fedavg"
+    assert job.workflow.config == {"num_rounds": 1, "fraction": 0.5}  # the rest: the coordinator's
+    assert not job.spec("ab" * 32, 1).fedavg.HasField("round_timeout")
     assert job.job_data == "{}"
 
 
@@ -100,7 +101,11 @@ BAD_FILES: list[tuple[str, str, str]] = [
         GOOD_TOML.replace("num_rounds = 3", 'num_rounds = "3"'),
         "fedavg.num_rounds must be a whole",
     ),
-    ("job.toml", GOOD_TOML.replace("num_rounds = 3", "num_rounds = 0"), "fedavg.num_rounds must be between"),
+    (
+        "job.toml",
+        GOOD_TOML.replace("num_rounds = 3", "num_rounds = 0"),
+        "fedavg.num_rounds must be at least 1",
+    ),
     ("job.toml", GOOD_TOML.replace("num_rounds = 3", ""), "fedavg.num_rounds is missing"),
     (
         "job.toml",
@@ -108,7 +113,11 @@ BAD_FILES: list[tuple[str, str, str]] = [
         "fedavg.evaluate must be true or false",
     ),
     ("job.toml", GOOD_TOML.replace('"1m30s"', '"soon"'), "fedavg.round_timeout: not a duration"),
-    ("job.toml", GOOD_TOML.replace('"fail"', '"ignore"'), "round_failure_policy must be 'retry' or 'fail'"),
+    (
+        "job.toml",
+        GOOD_TOML.replace('"fail"', '"ignore"'),
+        "round_failure_policy must be one of 'retry', 'fail'",
+    ),
     ("job.toml", GOOD_TOML.replace("min_results = 2", "min_results = 5"), "min_results cannot exceed"),
     ("job.toml", GOOD_TOML.replace("[fedavg]", "[fedavg]\nfraction = 0.5"), "fraction or devices_per_round"),
     (

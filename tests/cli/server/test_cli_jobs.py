@@ -58,7 +58,8 @@ def submit(cli: Cli, job_file: Path) -> str:
 
 
 def test_submit_then_list_and_show_describe_the_job(cli: Cli, tmp_path: Path) -> None:
-    job_id = submit(cli, write_job(tmp_path))
+    job_file = write_job(tmp_path)
+    job_id = submit(cli, job_file)
 
     table = cli("job", "list")
     assert table.exit_code == 0, table.output
@@ -82,11 +83,17 @@ def test_submit_then_list_and_show_describe_the_job(cli: Cli, tmp_path: Path) ->
     assert job["fedavg"]["seed"] == 3
     assert job["job_data"]["executors"] == {"*": "@trainer"}
     assert len(job["initial_model"]["sha256"]) == 64
+    # DescribeJob says the size of the uploaded model (a serialized DXO).
+    assert job["initial_model"]["size_bytes"] == len(load_job_file(job_file).model_bytes)
+    assert job["workflow"] == "fedavg"
+    assert job["completed_rounds"] == 0
 
     text = cli("job", "show", job_id)
     assert text.exit_code == 0
     assert f"job:      {job_id}" in text.stdout
-    assert "round:    0 of 2" in text.stdout
+    # Round 1 is in progress once the job runs (it waits for its devices); none before.
+    assert "round:    1 of 2 (0 completed)" in text.stdout or "round:    0 of 2 (0 completed)" in text.stdout
+    assert "workflow: fedavg (synchronous rounds" in text.stdout
 
 
 def test_list_filters_by_state_and_limits(cli: Cli, tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ def _task_rows(count: int) -> list[dict[str, Any]]:
             "targeted": bool(i % 2),
             "state": "OPEN",
             "created_at": base,
+            "model_version": None if i % 5 else i // 5,
         }
         for i in range(count)
     ]

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from fedlink.common.errors import InvalidArgument
-from fedlink.server.workflows.aggregation import WeightedAverage, apply_average, difference, model_spec
+from fedlink.server.domain.updates import model_spec
+from fedlink.server.workflows.aggregation import WeightedAverage, apply_average, difference
 
 
 def _model() -> dict[str, np.ndarray]:

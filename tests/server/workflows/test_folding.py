@@ -18,8 +18,9 @@ import pytest
 from fedlink.common.dxo import DXO, DataKind, MetaKey
 from fedlink.common.errors import FailedPrecondition
 from fedlink.server.domain import ManualClock, Result, ResultStatus, Task, TaskState
+from fedlink.server.domain.updates import model_spec
 from fedlink.server.store import SqlStateStore, create_store
-from fedlink.server.workflows.aggregation import apply_average, model_spec
+from fedlink.server.workflows.aggregation import apply_average
 from fedlink.server.workflows.folding import LazyModel, RoundFold, canonical_order
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -97,7 +98,7 @@ async def _from_store_only(store: SqlStateStore, results: list[Result]) -> Round
 
 
 def _hand(fold: RoundFold, n: int, i: int) -> None:
-    assert fold.reserve(_task(i).task_id, f"request-{i}", _update(i))
+    assert fold.offer(_task(i).task_id, f"request-{i}", _update(i))
     fold.settle(_task(i).task_id, f"request-{i}", accepted=True)
 
 
@@ -145,7 +146,7 @@ async def test_a_task_handed_out_with_an_earlier_place_makes_the_fold_start_agai
     await asyncio.sleep(0)
     # Tasks 0 and 1 come later but sort first (same creation time, lower device ids).
     fold.expect([_task(i) for i in (0, 1)], [_device(i) for i in (0, 1)])
-    assert not fold.reserve(_task(0).task_id, "request-0", _update(0))  # no more folding ahead
+    assert not fold.offer(_task(0).task_id, "request-0", _update(0))  # no more folding ahead
     await fold.finish(results, store.blobs.read_each)
     reference = await _from_store_only(store, results)
     for name in MODEL:
@@ -177,13 +178,13 @@ async def test_what_the_fold_declines_and_releases(store: SqlStateStore) -> None
     one = sum(int(a.nbytes) for a in MODEL.values())
     fold = RoundFold(MODEL, budget_bytes=2 * one)
     fold.expect([_task(i) for i in range(4)], [_device(i) for i in range(4)])
-    assert not fold.reserve("task-999", "r", _update(0))  # not handed out by this driver
-    assert fold.reserve(_task(1).task_id, "request-1", _update(1))
-    assert not fold.reserve(_task(1).task_id, "request-1b", _update(1))  # held already
-    assert fold.reserve(_task(2).task_id, "request-2", _update(2))
-    assert not fold.reserve(_task(3).task_id, "request-3", _update(3))  # over the budget
+    assert not fold.offer("task-999", "r", _update(0))  # not handed out by this driver
+    assert fold.offer(_task(1).task_id, "request-1", _update(1))
+    assert not fold.offer(_task(1).task_id, "request-1b", _update(1))  # held already
+    assert fold.offer(_task(2).task_id, "request-2", _update(2))
+    assert not fold.offer(_task(3).task_id, "request-3", _update(3))  # over the budget
     fold.settle(_task(2).task_id, "request-2", accepted=False)  # e.g. stale: dropped, room again
-    assert fold.reserve(_task(3).task_id, "request-3", _update(3))
+    assert fold.offer(_task(3).task_id, "request-3", _update(3))
     fold.settle(_task(1).task_id, "other-request", accepted=True)  # not the held report: ignored
     results = [await _result(store, i) for i in range(4)]
     await fold.finish(results, store.blobs.read_each)
@@ -198,23 +199,23 @@ async def test_waiting_for_a_fold_ends_when_folded_or_when_the_fold_stalls(store
     _hand(fold, 3, 1)
     loop = asyncio.get_running_loop()
     started = loop.time()
-    await fold.folded(_task(1).task_id, patience=0.2)  # waits for device 0's result, which never comes
+    await fold.absorbed(_task(1).task_id, patience=0.2)  # waits for device 0's result, which never comes
     assert 0.15 <= loop.time() - started < 2.0
-    waiter = asyncio.create_task(fold.folded(_task(2).task_id, patience=30.0))
+    waiter = asyncio.create_task(fold.absorbed(_task(2).task_id, patience=30.0))
     _hand(fold, 3, 2)
     await asyncio.sleep(0.05)
     assert not waiter.done()
     _hand(fold, 3, 0)  # 0, 1 and 2 fold now
     await asyncio.wait_for(waiter, 5.0)
-    await fold.folded(_task(0).task_id, patience=30.0)  # folded already: returns at once
+    await fold.absorbed(_task(0).task_id, patience=30.0)  # folded already: returns at once
 
 
 async def test_a_cancelled_waiter_does_not_end_another_wait_for_the_same_result(store: SqlStateStore) -> None:
     fold = RoundFold(MODEL, budget_bytes=1 << 30)
     fold.expect([_task(i) for i in range(2)], [_device(i) for i in range(2)])
     _hand(fold, 2, 1)  # waits behind device 0
-    first = asyncio.create_task(fold.folded(_task(1).task_id, patience=30.0))
-    second = asyncio.create_task(fold.folded(_task(1).task_id, patience=30.0))
+    first = asyncio.create_task(fold.absorbed(_task(1).task_id, patience=30.0))
+    second = asyncio.create_task(fold.absorbed(_task(1).task_id, patience=30.0))
     await asyncio.sleep(0.01)
     first.cancel()
     await asyncio.sleep(0.01)
@@ -272,7 +273,7 @@ async def test_a_lazy_model_is_loaded_only_for_a_weights_result_and_once() -> No
         fold.expect([t for t, _ in order], [_device(i) for _, i in order])
 
     def hand(fold: RoundFold, i: int) -> None:
-        assert fold.reserve(_task(i).task_id, f"request-{i}", _update(i))
+        assert fold.offer(_task(i).task_id, f"request-{i}", _update(i))
         fold.settle(_task(i).task_id, f"request-{i}", accepted=True)
 
     for i in (1, 3):

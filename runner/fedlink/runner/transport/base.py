@@ -7,12 +7,13 @@ as a :class:`Status` in the reply; faults are raised as :mod:`fedlink.common.err
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import TracebackType
 
-from fedlink.common.dxo import DXO
+from fedlink.common.dxo import DXO, MetaKey
 from fedlink.common.status import DeviceStatus
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "Status",
     "TaskOffer",
     "Transport",
+    "with_model_version",
 ]
 
 
@@ -58,6 +60,23 @@ class TaskOffer:
     lease_expires_at: datetime | None = None
     retry_after: timedelta | None = None
     assignment_id: str = ""
+    #: The round the task belongs to (0 for workflows without rounds, or a coordinator that does not say).
+    round: int = 0
+    #: The version of the model ``task_data`` carries, if the coordinator says (then it is also the
+    #: data's ``model_version`` meta: see :func:`with_model_version`).
+    model_version: int | None = None
+
+
+def with_model_version(dxo: DXO | None, version: int | None) -> DXO | None:
+    """``dxo`` with its ``model_version`` meta set to what the coordinator says the task carries.
+
+    The coordinator's word wins over the model file's own meta (absent from an initial model, or stale
+    in a model taken from another job), so that every trainer and filter seeded by the version sees the
+    same one. A copy is made only when the meta differs; the arrays are shared, not copied.
+    """
+    if dxo is None or version is None or dxo.meta.get(MetaKey.MODEL_VERSION) == version:
+        return dxo
+    return dataclasses.replace(dxo, meta={**dxo.meta, MetaKey.MODEL_VERSION: version})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

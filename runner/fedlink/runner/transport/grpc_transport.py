@@ -47,7 +47,16 @@ from fedlink.common.errors import (
 )
 from fedlink.common.version import PROTOCOL_VERSION
 from fedlink.runner.transport.backoff import Backoff
-from fedlink.runner.transport.base import Ack, JobOffer, LeaseAck, ResultReport, Status, TaskOffer, Transport
+from fedlink.runner.transport.base import (
+    Ack,
+    JobOffer,
+    LeaseAck,
+    ResultReport,
+    Status,
+    TaskOffer,
+    Transport,
+    with_model_version,
+)
 from fedlink.runner.transport.state import Identity, StateDir
 from fedlink.v1 import dxo_pb2, states_pb2
 from fedlink.v1 import runner_service_pb2 as pb
@@ -304,15 +313,18 @@ class GrpcTransport(Transport):
         retry_after = reply.retry_after.ToTimedelta() if reply.HasField("retry_after") else None
         if status is not Status.OK:
             return TaskOffer(status=status, cookie=reply.cookie, retry_after=retry_after)
+        version = reply.model_version if reply.HasField("model_version") else None
         return TaskOffer(
             status=status,
             task_id=reply.task_id,
             task_name=reply.task_name,
-            task_data=await self._task_input(reply.task_data),
+            task_data=with_model_version(await self._task_input(reply.task_data), version),
             cookie=reply.cookie,
             deadline=_time(reply.deadline, reply.HasField("deadline")),
             lease_expires_at=_time(reply.lease_expire_time, reply.HasField("lease_expire_time")),
             assignment_id=reply.assignment_id,
+            round=reply.round,
+            model_version=version,
         )
 
     async def _task_input(self, payload: dxo_pb2.Payload) -> DXO | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from datetime import UTC, timedelta
+from datetime import UTC
 from typing import Any
 
 from fedlink.common.errors import InvalidArgument
@@ -14,7 +14,7 @@ from fedlink.server.domain import Device, DeviceState, JobEvent, JobState, Resul
 from fedlink.server.protocol.control import ControlProtocol, JobSubmission, JobView
 from fedlink.server.protocol.transfers import send_blob
 from fedlink.server.store import BlobStore
-from fedlink.server.workflows.fedavg import FedAvgParams
+from fedlink.server.workflows.wire import spec_from_wire, spec_to_wire
 from fedlink.v1 import control_service_pb2 as pb
 from fedlink.v1 import states_pb2
 
@@ -32,57 +32,6 @@ DEVICE_STATES = {
     DeviceState.REVOKED: states_pb2.DEVICE_STATE_REVOKED,
 }
 _DEVICE_STATES_BACK = {v: k for k, v in DEVICE_STATES.items()}
-_POLICIES = {
-    pb.ROUND_FAILURE_POLICY_UNSPECIFIED: "retry",
-    pb.ROUND_FAILURE_POLICY_RETRY: "retry",
-    pb.ROUND_FAILURE_POLICY_FAIL: "fail",
-}
-_DEFAULT_ROUND_TIMEOUT = timedelta(minutes=10)
-
-
-def fedavg_params(config: pb.FedAvgConfig, *, default_keep: int) -> FedAvgParams:
-    """FedAvg's parameters from the wire message (InvalidArgument on bad values)."""
-    policy = _POLICIES.get(config.round_failure_policy)
-    if policy is None:
-        raise InvalidArgument(f"unknown round_failure_policy {config.round_failure_policy}")
-    timeout = (
-        config.round_timeout.ToTimedelta() if config.HasField("round_timeout") else _DEFAULT_ROUND_TIMEOUT
-    )
-    return FedAvgParams(
-        num_rounds=config.num_rounds,
-        fraction=config.fraction or 1.0,
-        devices_per_round=config.devices_per_round,
-        min_results=config.min_results,
-        round_timeout_s=(timeout or _DEFAULT_ROUND_TIMEOUT).total_seconds(),
-        min_devices=config.min_devices,
-        seed=config.seed,
-        evaluate=config.evaluate,
-        round_failure_policy=policy,
-        max_round_retries=config.max_round_retries,
-        keep_checkpoints=config.keep_checkpoints if config.HasField("keep_checkpoints") else default_keep,
-    )
-
-
-def fedavg_config(params: FedAvgParams) -> pb.FedAvgConfig:
-    """The wire message of FedAvg's parameters."""
-    config = pb.FedAvgConfig(
-        num_rounds=params.num_rounds,
-        fraction=params.fraction,
-        devices_per_round=params.devices_per_round,
-        min_results=params.min_results,
-        min_devices=params.min_devices,
-        seed=params.seed,
-        evaluate=params.evaluate,
-        round_failure_policy=(
-            pb.ROUND_FAILURE_POLICY_FAIL
-            if params.round_failure_policy == "fail"
-            else pb.ROUND_FAILURE_POLICY_RETRY
-        ),
-        max_round_retries=params.max_round_retries,
-        keep_checkpoints=params.keep_checkpoints,
-    )
-    config.round_timeout.FromTimedelta(timedelta(seconds=params.round_timeout_s))
-    return config
 
 
 def job_message(view: JobView) -> pb.Job:
@@ -92,6 +41,7 @@ def job_message(view: JobView) -> pb.Job:
         job_id=job.job_id,
         state=JOB_STATES[job.state],
         current_round=view.current_round,
+        completed_rounds=view.completed_rounds,
         message=job.message,
         metrics=dict(view.metrics),
     )
@@ -100,7 +50,8 @@ def job_message(view: JobView) -> pb.Job:
     message.spec.device_selector.update(job.device_selector)
     if job.initial_model_sha256:
         message.spec.initial_model.sha256 = job.initial_model_sha256
-    message.spec.fedavg.CopyFrom(fedavg_config(FedAvgParams.from_spec_json(job.spec_json)))
+        message.spec.initial_model.size_bytes = job.initial_model_size_bytes or 0
+    spec_to_wire(job.workflow, message.spec)
     message.create_time.FromDatetime(job.created_at.astimezone(UTC))
     message.update_time.FromDatetime(job.updated_at.astimezone(UTC))
     return message
@@ -148,24 +99,20 @@ def event_message(event: JobEvent) -> pb.WatchJobResponse:
 class ControlServicer:
     """Implements fedlink.v1.ControlService over :class:`ControlProtocol`."""
 
-    def __init__(
-        self, protocol: ControlProtocol, blobs: BlobStore, *, max_model_bytes: int, default_keep: int
-    ) -> None:
+    def __init__(self, protocol: ControlProtocol, blobs: BlobStore, *, max_model_bytes: int) -> None:
         self._protocol = protocol
         self._blobs = blobs
         self._max_model_bytes = max_model_bytes
-        self._default_keep = default_keep
 
     async def SubmitJob(self, request: pb.SubmitJobRequest, call: Call) -> pb.SubmitJobResponse:
         spec = request.spec
-        if spec.WhichOneof("workflow") != "fedavg":
-            raise InvalidArgument("spec.workflow must be set (fedavg)")
         view = await self._protocol.submit_job(
             JobSubmission(
                 name=spec.name,
-                params=fedavg_params(spec.fedavg, default_keep=self._default_keep),
+                workflow=spec_from_wire(spec),
                 job_data=spec.job_data,
                 initial_model_sha256=spec.initial_model.sha256,
+                initial_model_size_bytes=spec.initial_model.size_bytes,
                 device_selector=dict(spec.device_selector),
             ),
             request_id=request.request_id,

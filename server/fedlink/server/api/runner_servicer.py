@@ -94,6 +94,9 @@ class RunnerServicer:
             return response
         response.task_id = reply.task.task_id
         response.task_name = reply.task.name
+        response.round = reply.task.round
+        if reply.task.model_version is not None:
+            response.model_version = reply.task.model_version
         response.assignment_id = reply.assignment.assignment_id
         response.deadline.FromDatetime(reply.task.deadline.astimezone(UTC))
         response.lease_expire_time.FromDatetime(reply.assignment.lease_expires_at.astimezone(UTC))

@@ -1,4 +1,5 @@
-"""The job file of ``fedlink job submit``: TOML or JSON describing a FedAvg job and its initial model.
+"""The job file of ``fedlink job submit`` and ``fedlink simulate``: TOML or JSON describing a job and
+its initial model.
 
 ::
 
@@ -6,7 +7,7 @@
     model = "initial.npz"                      # .npz or .safetensors, relative to this file
     device_selector = { platform = "linux" }   # optional: device_info pairs a device must have
 
-    [fedavg]
+    [fedavg]                                   # the workflow: exactly one section naming it
     num_rounds = 5
     fraction = 1.0                             # or devices_per_round = 3
     min_results = 2
@@ -22,20 +23,28 @@
     components = [{ type = "SoftmaxRegressionTrainer", name = "trainer", args = { epochs = 1 } }]
     executors = { "*" = "@trainer" }
 
+The workflow section is one of the built-in workflows' names (``fedavg``, ``fedavgm``, ``fedadam``,
+``fedyogi``, ``fedadagrad``, ``fedmedian``, ``fedtrimmedavg``, ``krum``), holding FedAvg's round keys
+above plus the strategy's own (``server_learning_rate = 0.05`` for ``[fedadam]``), or ``[workflow]``
+for a workflow of one's own::
+
+    [workflow]
+    name = "flows.cyclic:workflow"             # an import path the coordinator allows
+    config = { num_rounds = 3 }                # handed to the factory as JSON
+
 Everything is checked here, before anything is sent: an unknown key, a value of the wrong type, a
-FedAvg parameter out of range, a model file that is missing or holds anything but int/float arrays —
-each is a :class:`~fedlink.common.errors.InvalidArgument` naming the file and the key.
+parameter out of range, a model file that is missing or holds anything but int/float arrays — each is
+a :class:`~fedlink.common.errors.InvalidArgument` naming the file and the key. (A custom workflow's
+config is checked by the coordinator that runs it.)
 """
 
 from __future__ import annotations
 
 import json
-import math
 import tomllib
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Final
 
@@ -44,18 +53,15 @@ import numpy.typing as npt
 
 from fedlink.common.dxo import DXO, DataKind
 from fedlink.common.errors import InvalidArgument
-from fedlink.server.settings import parse_duration
-from fedlink.server.workflows.fedavg import FedAvgParams
+from fedlink.server.domain import WorkflowSpec
+from fedlink.server.workflows import registry
+from fedlink.server.workflows.wire import spec_to_wire
 from fedlink.v1 import control_service_pb2 as cpb
 
-_TOP_KEYS: Final = frozenset({"name", "model", "device_selector", "fedavg", "job_data"})
+#: The section of a workflow of one's own (``name`` and ``config``).
+CUSTOM_SECTION: Final = "workflow"
+_COMMON_KEYS: Final = frozenset({"name", "model", "device_selector", "job_data"})
 _MAX_NAME: Final = 128  # the control protocol's limit (JobSpec.name)
-_INT32_MAX: Final = 2**31 - 1
-_INT64: Final = (-(2**63), 2**63 - 1)
-_POLICIES: Final = {
-    "retry": cpb.ROUND_FAILURE_POLICY_RETRY,
-    "fail": cpb.ROUND_FAILURE_POLICY_FAIL,
-}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,7 +70,8 @@ class JobFile:
 
     path: Path
     name: str
-    fedavg: cpb.FedAvgConfig = field(repr=False)
+    #: The workflow and its parameters (a built-in's checked; a custom one's config as written).
+    workflow: WorkflowSpec
     #: The runner configuration as the JSON document the coordinator stores.
     job_data: str = field(repr=False)
     device_selector: Mapping[str, str]
@@ -75,7 +82,7 @@ class JobFile:
     def spec(self, model_sha256: str, model_size: int) -> cpb.JobSpec:
         """The wire job spec, with the uploaded model's reference."""
         spec = cpb.JobSpec(name=self.name, job_data=self.job_data, device_selector=dict(self.device_selector))
-        spec.fedavg.CopyFrom(self.fedavg)
+        spec_to_wire(self.workflow, spec)
         spec.initial_model.sha256 = model_sha256
         spec.initial_model.size_bytes = model_size
         return spec
@@ -89,10 +96,13 @@ def load_job_file(path: Path) -> JobFile:
     """
     document = _read_document(path)
     where = str(path)
-    unknown = sorted(set(document) - _TOP_KEYS)
+    sections = set(registry.BUILTIN) | {CUSTOM_SECTION}
+    unknown = sorted(set(document) - _COMMON_KEYS - sections)
     if unknown:
+        allowed = ", ".join(sorted(_COMMON_KEYS))
         raise InvalidArgument(
-            f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(_TOP_KEYS))}"
+            f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {allowed} and one workflow section "
+            f"({', '.join(sorted(sections))})"
         )
     name = _required(document, "name", where)
     if not isinstance(name, str) or not 0 < len(name.strip()) <= _MAX_NAME:
@@ -104,12 +114,12 @@ def load_job_file(path: Path) -> JobFile:
     if not model_path.is_absolute():
         model_path = path.parent / model_path  # relative to the job file, so it works from anywhere
     selector = _selector(document.get("device_selector", {}), where)
-    fedavg = _fedavg(_required(document, "fedavg", where), where)
+    workflow = _workflow(document, where)
     job_data = _job_data(document.get("job_data", {}), where)
     return JobFile(
         path=path,
         name=name.strip(),
-        fedavg=fedavg,
+        workflow=workflow,
         job_data=job_data,
         device_selector=selector,
         model_path=model_path,
@@ -170,95 +180,48 @@ def _job_data(value: object, where: str) -> str:
         raise InvalidArgument(f"{where}: job_data cannot be sent as JSON: {exc}") from None
 
 
-# ---- [fedavg] ----------------------------------------------------------------------------------------
+# ---- the workflow section ---------------------------------------------------------------------------
 
 
-def _int(key: str, low: int = 0, high: int = _INT32_MAX) -> Callable[[object], int]:
-    def parse(value: object) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise InvalidArgument(f"{key} must be a whole number, not {value!r}")
-        if not low <= value <= high:
-            raise InvalidArgument(f"{key} must be between {low} and {high}, not {value}")
-        return value
-
-    return parse
-
-
-def _fraction(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidArgument(f"fraction must be a number in (0, 1], not {value!r}")
-    return float(value)
-
-
-def _bool(key: str) -> Callable[[object], bool]:
-    def parse(value: object) -> bool:
-        if not isinstance(value, bool):
-            raise InvalidArgument(f"{key} must be true or false, not {value!r}")
-        return value
-
-    return parse
-
-
-def _policy(value: object) -> str:
-    if not isinstance(value, str) or value not in _POLICIES:
-        raise InvalidArgument(f"round_failure_policy must be 'retry' or 'fail', not {value!r}")
-    return value
-
-
-def _timeout(value: object) -> timedelta:
-    if isinstance(value, bool):
-        raise InvalidArgument(f"round_timeout must be a duration such as '60s', not {value!r}")
-    try:
-        return parse_duration(value)
-    except InvalidArgument as exc:
-        raise InvalidArgument(f"round_timeout: {exc.message}") from None
-
-
-_FEDAVG_FIELDS: Final[Mapping[str, Callable[[object], object]]] = {
-    "num_rounds": _int("num_rounds", 1),
-    "fraction": _fraction,
-    "devices_per_round": _int("devices_per_round"),
-    "min_results": _int("min_results"),
-    "round_timeout": _timeout,
-    "min_devices": _int("min_devices"),
-    "seed": _int("seed", *_INT64),
-    "evaluate": _bool("evaluate"),
-    "round_failure_policy": _policy,
-    "max_round_retries": _int("max_round_retries"),
-    "keep_checkpoints": _int("keep_checkpoints"),
-}
-
-
-def _fedavg(table: object, where: str) -> cpb.FedAvgConfig:
+def _workflow(document: Mapping[str, Any], where: str) -> WorkflowSpec:
+    named = sorted(key for key in document if key in registry.BUILTIN or key == CUSTOM_SECTION)
+    if len(named) != 1:
+        choices = ", ".join(f"[{name}]" for name in (*registry.BUILTIN, CUSTOM_SECTION))
+        said = f"it has {', '.join(named)}" if named else "it has none"
+        raise InvalidArgument(f"{where}: a job needs exactly one workflow section ({choices}); {said}")
+    section = named[0]
+    table = document[section]
     if not isinstance(table, dict):
-        raise InvalidArgument(f"{where}: fedavg must be a table ([fedavg])")
-    unknown = sorted(set(table) - set(_FEDAVG_FIELDS))
-    if unknown:
-        raise InvalidArgument(
-            f"{where}: unknown key(s) in fedavg: {', '.join(unknown)}; allowed: {', '.join(_FEDAVG_FIELDS)}"
-        )
-    if "num_rounds" not in table:
-        raise InvalidArgument(f"{where}: fedavg.num_rounds is missing")
-    if "fraction" in table and "devices_per_round" in table:
-        raise InvalidArgument(f"{where}: fedavg takes fraction or devices_per_round, not both")
-    values: dict[str, Any] = {}
-    for key, raw in table.items():
-        try:
-            values[key] = _FEDAVG_FIELDS[key](raw)
-        except InvalidArgument as exc:
-            raise InvalidArgument(f"{where}: fedavg.{exc.message}") from None
-    timeout: timedelta | None = values.pop("round_timeout", None)
-    checked = dict(values) if timeout is None else {**values, "round_timeout_s": timeout.total_seconds()}
+        raise InvalidArgument(f"{where}: {section} must be a table ([{section}])")
     try:
-        # The coordinator's own checks (ranges, min_results vs devices_per_round), here before upload.
-        FedAvgParams(**checked)
+        if section == CUSTOM_SECTION:
+            return _custom(table)
+        params = registry.builtin(section).params.from_table(table, section=section)
     except InvalidArgument as exc:
         raise InvalidArgument(f"{where}: {exc.message}") from None
-    policy = _POLICIES[values.pop("round_failure_policy", "retry")]
-    config = cpb.FedAvgConfig(round_failure_policy=policy, **values)
-    if timeout is not None:
-        config.round_timeout.FromTimedelta(timeout)
-    return config
+    spec = registry.spec_of(params)
+    # Only what the file says goes to the coordinator, which fills in its own defaults for the rest.
+    written = {key for key in table} | {f"{key}_s" for key in table}
+    return WorkflowSpec(name=spec.name, config={k: v for k, v in spec.config.items() if k in written})
+
+
+def _custom(table: Mapping[str, Any]) -> WorkflowSpec:
+    unknown = sorted(set(table) - {"name", "config"})
+    if unknown:
+        raise InvalidArgument(
+            f"unknown key(s) in {CUSTOM_SECTION}: {', '.join(unknown)}; allowed: name, config"
+        )
+    name = table.get("name")
+    if not isinstance(name, str) or ":" not in name:
+        raise InvalidArgument(f"{CUSTOM_SECTION}.name must be an import path such as 'pkg.module:factory'")
+    config = table.get("config", {})
+    if not isinstance(config, dict):
+        raise InvalidArgument(f"{CUSTOM_SECTION}.config must be a table")
+    try:
+        json.dumps(config, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"{CUSTOM_SECTION}.config cannot be sent as JSON: {exc}") from None
+    return WorkflowSpec(name=name, config=config)
 
 
 # ---- the model ---------------------------------------------------------------------------------------

@@ -30,6 +30,10 @@ from fedlink.server.cli.client import (
     fail,
     format_option,
 )
+from fedlink.server.cli.jobfile import CUSTOM_SECTION, load_job_file
+from fedlink.server.domain import WorkflowSpec
+from fedlink.server.workflows import registry
+from fedlink.server.workflows.wire import spec_from_wire
 from fedlink.v1 import control_service_pb2 as cpb
 from fedlink.v1 import states_pb2
 
@@ -152,21 +156,21 @@ def download_model(client: ControlClient, job_id: str, round_no: int) -> tuple[b
 # ---- presentation ------------------------------------------------------------------------------------
 
 
-def _fedavg_dict(config: cpb.FedAvgConfig) -> dict[str, object]:
-    policy = "fail" if config.round_failure_policy == cpb.ROUND_FAILURE_POLICY_FAIL else "retry"
-    return {
-        "num_rounds": config.num_rounds,
-        "fraction": config.fraction,
-        "devices_per_round": config.devices_per_round,
-        "min_results": config.min_results,
-        "round_timeout_s": config.round_timeout.ToTimedelta().total_seconds(),
-        "min_devices": config.min_devices,
-        "seed": config.seed,
-        "evaluate": config.evaluate,
-        "round_failure_policy": policy,
-        "max_round_retries": config.max_round_retries,
-        "keep_checkpoints": config.keep_checkpoints,
-    }
+def _workflow_of(job: cpb.Job) -> WorkflowSpec | None:
+    """The job's workflow spec, or None if this CLI does not know the coordinator's workflow field."""
+    try:
+        return spec_from_wire(job.spec)
+    except FedlinkError:
+        return None
+
+
+def _workflow_section(spec: WorkflowSpec | None) -> tuple[str, dict[str, object]]:
+    """The job file's section for a workflow (``fedavg``, ..., or ``workflow``) and what goes in it."""
+    if spec is None:
+        return CUSTOM_SECTION, {"name": "(unknown to this fedlink)"}
+    if spec.is_import_path:
+        return CUSTOM_SECTION, {"name": spec.name, "config": dict(spec.config)}
+    return spec.name, registry.describe(spec)
 
 
 def job_dict(job: cpb.Job) -> dict[str, object]:
@@ -175,12 +179,16 @@ def job_dict(job: cpb.Job) -> dict[str, object]:
         job_data: object = json.loads(job.spec.job_data) if job.spec.job_data else {}
     except ValueError:
         job_data = job.spec.job_data
+    spec = _workflow_of(job)
+    section, described = _workflow_section(spec)
     return {
         "job_id": job.job_id,
         "name": job.spec.name,
         "state": state_name(job.state),
         "current_round": job.current_round,
-        "num_rounds": job.spec.fedavg.num_rounds,
+        "completed_rounds": job.completed_rounds,
+        "num_rounds": 0 if spec is None else registry.num_steps(spec),
+        "workflow": "" if spec is None else spec.name,
         "message": job.message,
         "metrics": dict(sorted(job.metrics.items())),
         "create_time": _time(job.create_time),
@@ -190,7 +198,7 @@ def job_dict(job: cpb.Job) -> dict[str, object]:
             "sha256": job.spec.initial_model.sha256,
             "size_bytes": job.spec.initial_model.size_bytes,
         },
-        "fedavg": _fedavg_dict(job.spec.fedavg),
+        section: described,
         "job_data": job_data,
     }
 
@@ -201,22 +209,36 @@ def _pairs(values: dict[str, Any]) -> str:
 
 def _show_job(job: cpb.Job) -> None:
     d = job_dict(job)
+    spec = _workflow_of(job)
+    section, described = _workflow_section(spec)
+    summary = "" if spec is None or spec.is_import_path else registry.builtin(spec.name).summary
     lines = [
         ("job", job.job_id),
         ("name", job.spec.name),
         ("state", d["state"]),
-        ("round", f"{job.current_round} of {job.spec.fedavg.num_rounds}"),
+        ("round", _round_text(job, int(str(d["num_rounds"])))),
+        ("workflow", f"{d['workflow']} ({summary})" if summary else str(d["workflow"])),
         ("message", job.message),
         ("created", d["create_time"]),
         ("updated", d["update_time"]),
         ("model", job.spec.initial_model.sha256),
         ("selector", _pairs(dict(sorted(job.spec.device_selector.items()))) or "(every device)"),
-        ("fedavg", _pairs(_fedavg_dict(job.spec.fedavg))),
+        (section, _pairs(described)),
         ("metrics", _pairs(dict(sorted(job.metrics.items())))),
     ]
     for key, value in lines:
         if value:
             click.echo(f"{key + ':':<10}{value}")
+
+
+def _steps(job: cpb.Job) -> int:
+    spec = _workflow_of(job)
+    return 0 if spec is None else registry.num_steps(spec)
+
+
+def _round_text(job: cpb.Job, num_rounds: int) -> str:
+    total = f" of {num_rounds}" if num_rounds else ""
+    return f"{job.current_round}{total} ({job.completed_rounds} completed)"
 
 
 def event_dict(event: cpb.WatchJobResponse) -> dict[str, object]:
@@ -281,8 +303,6 @@ def job_group() -> None:
 @connection_options
 def submit_command(job_file: Path, output_format: str, connection: ConnectionOptions) -> None:
     """Upload JOB_FILE's model and submit the job (TOML or JSON); prints the job id."""
-    from fedlink.server.cli.jobfile import load_job_file  # numpy and the model loaders: only here
-
     try:
         job = load_job_file(job_file)
     except FedlinkError as exc:
@@ -328,7 +348,7 @@ def list_command(state: str | None, limit: int, output_format: str, connection: 
             job.job_id,
             job.spec.name,
             state_name(job.state),
-            f"{job.current_round}/{job.spec.fedavg.num_rounds}",
+            f"{job.current_round}/{_steps(job) or '?'}",
             _time(job.update_time),
         ]
         for job in jobs

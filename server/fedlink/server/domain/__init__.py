@@ -1,10 +1,12 @@
-"""The pure domain: state machines, the values the store returns, the clock. Imports nothing of ours
-but :mod:`fedlink.common.errors`."""
+"""The pure domain: state machines, the values the store returns, the clock, what an update must look
+like. Imports nothing of ours but :mod:`fedlink.common`."""
 
 from fedlink.server.domain.clock import Clock, ManualClock, SystemClock
 from fedlink.server.domain.errors import LeaseLost, RunLeaseHeld
 from fedlink.server.domain.ids import new_id
 from fedlink.server.domain.models import (
+    EVALUATE_TASK,
+    TRAIN_TASK,
     Assignment,
     Blob,
     Checkpoint,
@@ -15,6 +17,8 @@ from fedlink.server.domain.models import (
     Result,
     Run,
     Task,
+    WorkflowSpec,
+    selector_matches,
 )
 from fedlink.server.domain.states import (
     ACTIVE_ASSIGNMENT_STATES,
@@ -34,6 +38,8 @@ from fedlink.server.domain.states import (
 
 __all__ = [
     "ACTIVE_ASSIGNMENT_STATES",
+    "EVALUATE_TASK",
+    "TRAIN_TASK",
     "Assignment",
     "AssignmentState",
     "Blob",
@@ -55,8 +61,10 @@ __all__ = [
     "SystemClock",
     "Task",
     "TaskState",
+    "WorkflowSpec",
     "is_final",
     "new_id",
+    "selector_matches",
     "transition_assignment",
     "transition_device",
     "transition_job",

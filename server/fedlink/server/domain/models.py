@@ -7,9 +7,11 @@ Times are timezone-aware UTC datetimes. Ids are UUIDv7 hex strings (see ``ids``)
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 from fedlink.server.domain.states import (
     AssignmentState,
@@ -35,24 +37,71 @@ class Device:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class WorkflowSpec:
+    """Which workflow drives a job, and its configuration, as a JSON document.
+
+    ``name`` is a built-in workflow's name (``"fedavg"``, ``"fedadam"``, ...) or, for a workflow of the
+    operator's own, its import path (``"pkg.module:factory"``). ``config`` is the workflow's parameters
+    as JSON values; the workflows layer checks them.
+    """
+
+    name: str
+    config: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_import_path(self) -> bool:
+        """True if ``name`` is an import path (``pkg.module:factory``) rather than a built-in's name."""
+        return ":" in self.name
+
+    def to_json(self) -> str:
+        """The document stored as a job's ``spec_json``."""
+        return json.dumps({"workflow": self.name, "config": dict(self.config)}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkflowSpec:
+        """Reads :meth:`to_json`'s document, or the first releases' ``{"workflow": "fedavg", "fedavg":
+        {...}}``; ``ValueError`` if it is neither."""
+        document = json.loads(text)
+        if not isinstance(document, dict) or not isinstance(document.get("workflow"), str):
+            raise ValueError("a workflow spec is a JSON object with a 'workflow' name")
+        name = document["workflow"]
+        config = document.get("config", document.get(name, {}))
+        if not isinstance(config, dict):
+            raise ValueError(f"the config of workflow {name!r} is not a JSON object")
+        return cls(name=name, config=config)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Job:
     """What an operator submitted."""
 
     job_id: str
     name: str
     state: JobState
-    #: The workflow spec (``fedavg`` and its parameters), owned by the workflows layer.
+    #: The workflow and its parameters: a :class:`WorkflowSpec` as JSON (see :attr:`workflow`).
     spec_json: str
     #: The runner config (NVFlare edge format), handed to devices as is.
     job_data: str
     #: The initial model blob, if the job has one.
     initial_model_sha256: str | None
+    #: Its size in bytes (None for jobs stored before sizes were kept, whose blob is gone).
+    initial_model_size_bytes: int | None = None
     #: Which devices may take part: every key must equal the device's ``device_info`` value.
     device_selector: Mapping[str, str]
     #: Why the job is in its state (e.g. the error that failed it); empty if nothing to say.
     message: str
     created_at: datetime
     updated_at: datetime
+
+    @property
+    def workflow(self) -> WorkflowSpec:
+        """The job's workflow spec (``ValueError`` if ``spec_json`` is not one)."""
+        return WorkflowSpec.from_json(self.spec_json)
+
+
+def selector_matches(selector: Mapping[str, str], device_info: Mapping[str, str]) -> bool:
+    """True if ``device_info`` has every key/value pair of a job's device ``selector``."""
+    return all(device_info.get(k) == v for k, v in selector.items())
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,6 +122,16 @@ class Run:
     message: str
     created_at: datetime
     updated_at: datetime
+    #: The workflow's own state at the last checkpoint (counters, as JSON owned by the workflow).
+    workflow_state_json: str = "{}"
+    #: The blob of the workflow state's arrays (a WEIGHTS-like DXO, e.g. optimizer moments), if any.
+    workflow_state_sha256: str | None = None
+
+
+#: The task name of training: a device answers with a WEIGHTS or WEIGHT_DIFF update of the task's model.
+TRAIN_TASK = "train"
+#: The task name of evaluation: a device answers with METRICS of the task's model on its data.
+EVALUATE_TASK = "evaluate"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,6 +153,8 @@ class Task:
     targeted: bool
     state: TaskState
     created_at: datetime
+    #: The version of the model the task carries (0: the job's initial model); None if it says none.
+    model_version: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,6 +212,9 @@ class Checkpoint:
     model_sha256: str
     metrics_json: str
     created_at: datetime
+    #: The workflow's own state after the round, as on the run (see :class:`Run`).
+    workflow_state_json: str = "{}"
+    workflow_state_sha256: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

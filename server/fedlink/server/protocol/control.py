@@ -8,13 +8,23 @@ from dataclasses import dataclass
 
 from fedlink.common.dxo import DataKind
 from fedlink.common.errors import FailedPrecondition, InvalidArgument, NotFound
-from fedlink.server.domain import Device, DeviceState, Job, JobEvent, JobState, Run, RunState, is_final
+from fedlink.server.coordination.model_outlines import ModelOutlines
+from fedlink.server.coordination.notify import TaskNotifier
+from fedlink.server.coordination.workflow_catalog import WorkflowCatalog
+from fedlink.server.domain import (
+    Device,
+    DeviceState,
+    Job,
+    JobEvent,
+    JobState,
+    Run,
+    RunState,
+    WorkflowSpec,
+    is_final,
+)
 from fedlink.server.protocol.events import JobEvents
-from fedlink.server.protocol.model_specs import ModelOutlines
-from fedlink.server.protocol.notify import TaskNotifier
 from fedlink.server.protocol.transfers import check_sha256
 from fedlink.server.store import NewJob, Page, StateStore
-from fedlink.server.workflows.fedavg import FedAvgParams
 
 _MAX_NAME = 128
 _SUBMIT_SCOPE = "control.submit_job"
@@ -25,9 +35,12 @@ class JobSubmission:
     """What an operator submits."""
 
     name: str
-    params: FedAvgParams
+    #: The workflow and its parameters (checked by the coordinator's workflow catalog).
+    workflow: WorkflowSpec
     job_data: str
     initial_model_sha256: str
+    #: The initial model's size as the submitter says it; 0 means "not said".
+    initial_model_size_bytes: int = 0
     device_selector: Mapping[str, str]
 
 
@@ -36,8 +49,20 @@ class JobView:
     """A job with its progress, as operators see it."""
 
     job: Job
+    #: The round in progress; once the job is final, the round it ended in; 0 while PENDING.
     current_round: int
+    #: Rounds closed (their models checkpointed) so far.
+    completed_rounds: int
     metrics: Mapping[str, float]
+
+
+def current_round(job: Job, completed: int, num_steps: int) -> int:
+    """The round a job is in, given the rounds it completed and how many it runs to (0: unknown)."""
+    if job.state is JobState.PENDING:
+        return 0
+    if job.state is JobState.FINISHED or (num_steps and completed >= num_steps):
+        return completed
+    return completed + 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,9 +97,11 @@ class ControlProtocol:
         on_job_change: Callable[[str], None],
         on_device_revoked: Callable[[str], None],
         max_model_bytes: int,
+        workflows: WorkflowCatalog,
         outlines: ModelOutlines | None = None,
     ) -> None:
         self._store = store
+        self._workflows = workflows
         self._outlines = outlines or ModelOutlines(store.blobs)
         self._events = events
         self._notifier = notifier
@@ -93,13 +120,21 @@ class ControlProtocol:
         if not name or len(name) > _MAX_NAME:
             raise InvalidArgument(f"a job name needs 1 to {_MAX_NAME} characters")
         check_job_data(submission.job_data)
-        await self._check_initial_model(submission.initial_model_sha256)
+        model_bytes = await self._check_initial_model(submission.initial_model_sha256)
+        said = submission.initial_model_size_bytes
+        if said and said != model_bytes:
+            raise InvalidArgument(
+                f"initial_model.size_bytes is {said}, but the stored model {submission.initial_model_sha256} "
+                f"has {model_bytes} bytes"
+            )
+        workflow = self._workflows.check(submission.workflow, model_bytes=model_bytes)
         job = await self._store.create_job(
             NewJob(
                 name=name,
-                spec_json=submission.params.to_spec_json(),
+                spec_json=workflow.to_json(),
                 job_data=submission.job_data or "{}",
                 initial_model_sha256=submission.initial_model_sha256,
+                initial_model_size_bytes=model_bytes,
                 device_selector=dict(submission.device_selector),
             )
         )
@@ -112,9 +147,10 @@ class ControlProtocol:
                 await self._store.delete_job(job.job_id)
                 return await self.describe_job(first)
         self._on_job_change(job.job_id)
-        return JobView(job=job, current_round=0, metrics={})
+        return JobView(job=job, current_round=0, completed_rounds=0, metrics={})
 
-    async def _check_initial_model(self, sha256: str) -> None:
+    async def _check_initial_model(self, sha256: str) -> int:
+        """Checks the initial model; returns its size in bytes."""
         if not sha256:
             raise InvalidArgument("the job needs an initial model: upload it with UploadModel first")
         check_sha256(sha256)
@@ -128,15 +164,24 @@ class ControlProtocol:
         model = await self._outlines.outline(sha256)
         if model.kind is not DataKind.WEIGHTS or not model.tensors:
             raise InvalidArgument("the initial model must be a WEIGHTS DXO with at least one variable")
+        return blob.size_bytes
 
     async def describe_job(self, job_id: str) -> JobView:
-        """Returns a job with its current round and latest metrics."""
+        """Returns a job with its round in progress, the rounds it completed and its latest metrics."""
         job = await self._store.get_job(job_id)
         run = await self._current_run(job_id)
-        if run is None:
-            return JobView(job=job, current_round=0, metrics={})
-        metrics = _numeric(json.loads(run.metrics_json or "{}"))
-        return JobView(job=job, current_round=run.round, metrics=metrics)
+        completed = 0 if run is None else run.round
+        metrics = {} if run is None else _numeric(json.loads(run.metrics_json or "{}"))
+        try:
+            steps = self._workflows.num_steps(job.workflow)
+        except ValueError:  # a spec_json this release cannot read: say nothing of its steps
+            steps = 0
+        return JobView(
+            job=job,
+            current_round=current_round(job, completed, steps),
+            completed_rounds=completed,
+            metrics=metrics,
+        )
 
     async def _current_run(self, job_id: str) -> Run | None:
         try:

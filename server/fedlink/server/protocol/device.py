@@ -27,6 +27,9 @@ from fedlink.common.errors import (
 )
 from fedlink.common.status import DeviceStatus
 from fedlink.common.version import PROTOCOL_VERSION
+from fedlink.server.coordination.known_tasks import KnownTasks, remember
+from fedlink.server.coordination.notify import TaskNotifier
+from fedlink.server.coordination.shared_reads import SharedReads
 from fedlink.server.credentials import hash_credential
 from fedlink.server.domain import (
     Assignment,
@@ -38,15 +41,14 @@ from fedlink.server.domain import (
     ReportOutcome,
     ResultStatus,
     Task,
+    selector_matches,
 )
 from fedlink.server.protocol.authentication import DeviceAuthenticator
 from fedlink.server.protocol.batching import Batcher
 from fedlink.server.protocol.cookies import Cookie, CookieSigner
-from fedlink.server.protocol.notify import TaskNotifier
 from fedlink.server.protocol.possession import require_held
-from fedlink.server.protocol.reads import JobReads, KnownTasks, remember
+from fedlink.server.protocol.reads import JobReads
 from fedlink.server.protocol.results import ResultValidator
-from fedlink.server.protocol.shared import SharedReads
 from fedlink.server.store import ClaimRequest, RecordOutcome, ResultReport, StateStore
 
 #: Task payloads kept in memory (a few global models: the current round's and the last ones).
@@ -180,13 +182,13 @@ class ResultListener:
     def result_recorded(self, job_id: str, task: Task) -> None:
         """Called after a report for ``task`` was stored (accepted or failed)."""
 
-    def reserve(self, job_id: str, task: Task, request_id: str, update: DXO) -> bool:
-        """Offers the validated update of a report about to be recorded to the run's driver, to fold
+    def offer(self, job_id: str, task: Task, request_id: str, update: DXO) -> bool:
+        """Offers the validated update of a report about to be recorded to the run's driver, to use
         in-process; True if it holds it (:meth:`settle` follows once the report is recorded)."""
         return False
 
     def settle(self, job_id: str, task: Task, request_id: str, *, accepted: bool) -> None:
-        """Says whether a report :meth:`reserve` was offered counts (recorded and accepted)."""
+        """Says whether a report :meth:`offer` was given counts (recorded and accepted)."""
 
 
 def check_protocol_version(version: str) -> None:
@@ -209,11 +211,6 @@ def check_protocol_version(version: str) -> None:
             f"device protocol {version} is not compatible with this coordinator's {PROTOCOL_VERSION}: "
             f"upgrade {side}"
         )
-
-
-def selector_matches(selector: Mapping[str, str], device_info: Mapping[str, str]) -> bool:
-    """True if ``device_info`` has every key/value pair of ``selector``."""
-    return all(device_info.get(k) == v for k, v in selector.items())
 
 
 class DeviceProtocol:
@@ -491,7 +488,7 @@ class DeviceProtocol:
         held = (
             update is not None
             and bool(report.request_id)
-            and self._listener.reserve(report.job_id, task, report.request_id, update)
+            and self._listener.offer(report.job_id, task, report.request_id, update)
         )
         payload_sha, inline = None, None
         if update is not None and (self._config.keep_folded_payloads or not held):

@@ -13,13 +13,10 @@ from typing import Protocol
 
 from fedlink.common.dxo import DXO, DataKind, weight_of
 from fedlink.common.errors import InvalidArgument
-from fedlink.server.domain import Task
-from fedlink.server.protocol.model_specs import ModelOutlines
+from fedlink.server.coordination.model_outlines import ModelOutlines
+from fedlink.server.domain import EVALUATE_TASK, Task
+from fedlink.server.domain.updates import check_update
 from fedlink.server.store import BlobStore
-from fedlink.server.workflows.aggregation import check_update
-
-TRAIN_TASK = "train"
-EVALUATE_TASK = "evaluate"
 
 
 class ResultValidator(Protocol):

@@ -7,8 +7,8 @@ import logging
 from collections.abc import Callable
 from datetime import timedelta
 
+from fedlink.server.coordination.notify import TaskNotifier
 from fedlink.server.domain import Clock
-from fedlink.server.protocol.notify import TaskNotifier
 from fedlink.server.store import StateStore
 
 log = logging.getLogger(__name__)

@@ -7,8 +7,7 @@ import logging
 from datetime import timedelta
 
 from fedlink.common.errors import NotFound
-from fedlink.server.domain import JobState
-from fedlink.server.protocol.results import TRAIN_TASK
+from fedlink.server.domain import TRAIN_TASK, JobState
 from fedlink.server.store import StateStore, all_items
 from fedlink.server.telemetry import Telemetry
 

@@ -12,14 +12,14 @@ import logging
 from datetime import timedelta
 
 from fedlink.common.errors import FedlinkError, InvalidArgument, NotFound
+from fedlink.server.coordination.known_tasks import KnownTasks
+from fedlink.server.coordination.notify import TaskNotifier
+from fedlink.server.coordination.progress import Progress, UpdateSink
 from fedlink.server.domain import Clock, Job, JobState, Run, RunLeaseHeld, RunState, is_final
 from fedlink.server.protocol.events import JobEvents
-from fedlink.server.protocol.notify import TaskNotifier
-from fedlink.server.protocol.reads import KnownTasks
 from fedlink.server.store import StateStore, all_items
-from fedlink.server.workflows.base import Progress, WorkflowContext, workflow_name
-from fedlink.server.workflows.fedavg import FedAvg, FedAvgParams
-from fedlink.server.workflows.folding import RoundFold
+from fedlink.server.workflows.base import WorkflowContext
+from fedlink.server.workflows.registry import Workflows
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +35,9 @@ class JobSupervisor:
         notifier: TaskNotifier,
         events: JobEvents,
         owner: str,
+        workflows: Workflows,
         run_lease: timedelta = timedelta(seconds=30),
         scan_seconds: float = 2.0,
-        poll_seconds: float = 1.0,
-        round_check_seconds: float | None = None,
         known_tasks: KnownTasks | None = None,
     ) -> None:
         self._store = store
@@ -50,9 +49,7 @@ class JobSupervisor:
         self._owner = owner
         self._run_lease = run_lease
         self._scan_seconds = scan_seconds
-        self._poll_seconds = poll_seconds
-        #: The least time between two reads of a round's state (None: the workflow's default).
-        self._round_check_seconds = round_check_seconds
+        self._workflows = workflows
         self._drivers: dict[str, asyncio.Task[None]] = {}
         self._progress: dict[str, Progress] = {}
         self._wake = asyncio.Event()
@@ -70,10 +67,10 @@ class JobSupervisor:
         if progress is not None:
             progress.poke(urgent=urgent)
 
-    def fold(self, job_id: str) -> RoundFold | None:
-        """The in-process fold of the job's open round, if this coordinator drives it."""
+    def sink(self, job_id: str) -> UpdateSink | None:
+        """Where the job's driver takes accepted updates now, if this coordinator drives it."""
         progress = self._progress.get(job_id)
-        return None if progress is None else progress.fold
+        return None if progress is None else progress.sink
 
     async def serve(self) -> None:
         """Scans for live jobs and keeps their drivers running until cancelled."""
@@ -125,7 +122,10 @@ class JobSupervisor:
             if job.state is JobState.PENDING:
                 job = await self._store.set_job_state(job.job_id, JobState.RUNNING)
                 await self._events.state_changed(job, JobState.RUNNING)
-            params = _params(job)
+            try:
+                workflow = self._workflows.build(job.workflow)
+            except ValueError as exc:  # a spec_json that is not a workflow spec at all
+                raise InvalidArgument(f"job {job.job_id} has no readable workflow spec: {exc}") from None
             ctx = WorkflowContext(
                 store=self._store,
                 clock=self._clock,
@@ -136,10 +136,7 @@ class JobSupervisor:
                 run=run,
                 known_tasks=self._known_tasks,
             )
-            checks = (
-                {} if self._round_check_seconds is None else {"min_check_seconds": self._round_check_seconds}
-            )
-            await FedAvg(params, poll_seconds=self._poll_seconds, **checks).run(ctx)
+            await workflow.run(ctx)
             await self._finish(job, run, JobState.FINISHED, RunState.FINISHED, "")
             log.info("job finished", extra={"job_id": job.job_id})
         except asyncio.CancelledError:
@@ -178,10 +175,3 @@ class JobSupervisor:
             await self._store.acquire_run_lease(
                 run.run_id, owner=self._owner, now=self._clock.now(), lease=self._run_lease
             )
-
-
-def _params(job: Job) -> FedAvgParams:
-    name = workflow_name(job.spec_json)
-    if name != "fedavg":
-        raise InvalidArgument(f"job {job.job_id} names unknown workflow {name!r}")
-    return FedAvgParams.from_spec_json(job.spec_json)

@@ -61,13 +61,16 @@ def _whole_blobs(sha256s: Sequence[str]) -> sa.Select[Any]:
 
 
 def unreferenced(sha_column: sa.ColumnElement[str]) -> sa.ColumnElement[bool]:
-    """The condition "no job, run, task, result or checkpoint points at this blob"."""
+    """The condition "no job, run, task, result or checkpoint (model or workflow state) points at this
+    blob"."""
     references = [
         (jobs, jobs.c.initial_model_sha256),
         (runs, runs.c.global_model_sha256),
+        (runs, runs.c.workflow_state_sha256),
         (tasks, tasks.c.payload_sha256),
         (results, results.c.payload_sha256),
         (checkpoints, checkpoints.c.model_sha256),
+        (checkpoints, checkpoints.c.workflow_state_sha256),
     ]
     return sa.and_(*(~sa.exists().where(column == sha_column) for _table, column in references))
 

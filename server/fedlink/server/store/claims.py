@@ -97,6 +97,7 @@ class ClaimQueries(StoreCore):
                     targeted=bool(new.targets),
                     state=TaskState.OPEN,
                     created_at=now,
+                    model_version=new.model_version,
                 )
             )
             task_rows.append(
@@ -112,6 +113,7 @@ class ClaimQueries(StoreCore):
                     "targeted": bool(new.targets),
                     "state": _OPEN,
                     "created_at": now,
+                    "model_version": new.model_version,
                 }
             )
             for device_id in sorted(set(new.targets)):

@@ -47,6 +47,7 @@ class JobQueries(StoreCore):
             "spec_json": new_job.spec_json,
             "job_data": new_job.job_data,
             "initial_model_sha256": new_job.initial_model_sha256,
+            "initial_model_size_bytes": new_job.initial_model_size_bytes,
             "device_selector": rows.dump_map(new_job.device_selector),
             "message": "",
             "created_at": now,
@@ -204,19 +205,32 @@ class JobQueries(StoreCore):
         return await self._db.write(work)
 
     async def save_checkpoint(
-        self, run_id: str, round: int, model_sha256: str, metrics_json: str, *, keep_last: int
+        self,
+        run_id: str,
+        round: int,
+        model_sha256: str,
+        metrics_json: str,
+        *,
+        keep_last: int,
+        state_json: str = "{}",
+        state_sha256: str | None = None,
     ) -> Checkpoint:
-        """Record a round's model and metrics on the run; keep only the last ``keep_last`` checkpoints.
+        """Record a round's model, metrics and workflow state on the run, in one transaction; keep only
+        the last ``keep_last`` checkpoints.
 
-        The run itself points at the newest model, so the final model outlives the pruning.
+        The run itself points at the newest model and state, so the final model outlives the pruning.
+        The blobs of pruned checkpoints and of the run's previous state are freed unless something
+        else still points at them (a task's payload, another checkpoint).
         """
         if keep_last < 1:
             raise InvalidArgument(f"keep_last must be >= 1, got {keep_last}")
         now = self._clock.now()
+        state = {"workflow_state_json": state_json, "workflow_state_sha256": state_sha256}
 
-        def work(conn: sa.Connection) -> Checkpoint:
+        def work(conn: sa.Connection) -> tuple[Checkpoint, set[str]]:
             where = runs.c.run_id == run_id
-            if conn.execute(sa.select(runs.c.run_id).where(where)).first() is None:
+            previous = conn.execute(sa.select(runs.c.workflow_state_sha256).where(where)).first()
+            if previous is None:
                 raise NotFound(f"run {run_id} does not exist")
             conn.execute(
                 sa.delete(checkpoints).where(checkpoints.c.run_id == run_id, checkpoints.c.round == round)
@@ -229,6 +243,7 @@ class JobQueries(StoreCore):
                     model_sha256=model_sha256,
                     metrics_json=metrics_json,
                     created_at=now,
+                    **state,
                 )
                 .returning(checkpoints)
             )
@@ -236,7 +251,11 @@ class JobQueries(StoreCore):
                 sa.update(runs)
                 .where(where)
                 .values(
-                    round=round, global_model_sha256=model_sha256, metrics_json=metrics_json, updated_at=now
+                    round=round,
+                    global_model_sha256=model_sha256,
+                    metrics_json=metrics_json,
+                    updated_at=now,
+                    **state,
                 )
             )
             newest = (
@@ -249,14 +268,20 @@ class JobQueries(StoreCore):
                 .scalars()
                 .all()
             )
-            conn.execute(
-                sa.delete(checkpoints).where(
-                    checkpoints.c.run_id == run_id, checkpoints.c.round.not_in(list(newest))
-                )
-            )
-            return rows.checkpoint(saved.one())
+            pruned = conn.execute(
+                sa.delete(checkpoints)
+                .where(checkpoints.c.run_id == run_id, checkpoints.c.round.not_in(list(newest)))
+                .returning(checkpoints.c.model_sha256, checkpoints.c.workflow_state_sha256)
+            ).all()
+            freed = {sha for row in pruned for sha in row if sha}
+            if previous.workflow_state_sha256:
+                freed.add(previous.workflow_state_sha256)
+            return rows.checkpoint(saved.one()), freed - {model_sha256, state_sha256 or ""}
 
-        return await self._db.write_sync(work)
+        checkpoint, candidates = await self._db.write_sync(work)
+        if candidates:
+            await self._blob_store.delete_if_unreferenced(candidates)
+        return checkpoint
 
     async def list_checkpoints(self, run_id: str) -> Sequence[Checkpoint]:
         """Return a run's kept checkpoints, oldest round first."""
@@ -297,14 +322,18 @@ class JobQueries(StoreCore):
 
 
 async def _blobs_of_job(conn: AsyncConnection, job_id: str) -> set[str]:
-    """Every blob a job's runs, tasks, results and checkpoints point at."""
+    """Every blob a job's runs, tasks, results and checkpoints (models and workflow states) point at."""
     queries = [
         sa.select(runs.c.global_model_sha256).where(runs.c.job_id == job_id),
+        sa.select(runs.c.workflow_state_sha256).where(runs.c.job_id == job_id),
         sa.select(tasks.c.payload_sha256).where(tasks.c.job_id == job_id),
         sa.select(results.c.payload_sha256)
         .join(tasks, tasks.c.task_id == results.c.task_id)
         .where(tasks.c.job_id == job_id),
         sa.select(checkpoints.c.model_sha256)
+        .join(runs, runs.c.run_id == checkpoints.c.run_id)
+        .where(runs.c.job_id == job_id),
+        sa.select(checkpoints.c.workflow_state_sha256)
         .join(runs, runs.c.run_id == checkpoints.c.run_id)
         .where(runs.c.job_id == job_id),
     ]

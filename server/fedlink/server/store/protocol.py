@@ -75,6 +75,7 @@ class NewJob:
     spec_json: str
     job_data: str
     initial_model_sha256: str | None = None
+    initial_model_size_bytes: int | None = None
     device_selector: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -92,6 +93,8 @@ class NewTask:
     slots: int = 1
     #: The only devices that may claim the task; empty means any device of the job.
     targets: Sequence[str] = ()
+    #: The version of the model the task carries (0: the job's initial model), if it carries one.
+    model_version: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -360,9 +363,18 @@ class StateStore(Protocol):
         ...
 
     async def save_checkpoint(
-        self, run_id: str, round: int, model_sha256: str, metrics_json: str, *, keep_last: int
+        self,
+        run_id: str,
+        round: int,
+        model_sha256: str,
+        metrics_json: str,
+        *,
+        keep_last: int,
+        state_json: str = "{}",
+        state_sha256: str | None = None,
     ) -> Checkpoint:
-        """Record a round's model and metrics on the run; keep only the last ``keep_last`` checkpoints."""
+        """Record a round's model, metrics and workflow state on the run, in one transaction; keep only
+        the last ``keep_last`` checkpoints (the blobs of the others are freed unless still used)."""
         ...
 
     async def list_checkpoints(self, run_id: str) -> Sequence[Checkpoint]:

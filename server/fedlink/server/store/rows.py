@@ -100,6 +100,7 @@ def job(row: Row) -> Job:
         spec_json=row.spec_json,
         job_data=row.job_data,
         initial_model_sha256=row.initial_model_sha256,
+        initial_model_size_bytes=row.initial_model_size_bytes,
         device_selector=load_map(row.device_selector),
         message=row.message,
         created_at=row.created_at,
@@ -121,6 +122,8 @@ def run(row: Row) -> Run:
         message=row.message,
         created_at=row.created_at,
         updated_at=row.updated_at,
+        workflow_state_json=row.workflow_state_json,
+        workflow_state_sha256=row.workflow_state_sha256,
     )
 
 
@@ -138,6 +141,7 @@ def task(row: Row) -> Task:
         targeted=bool(row.targeted),
         state=TaskState(row.state),
         created_at=row.created_at,
+        model_version=row.model_version,
     )
 
 
@@ -181,6 +185,8 @@ def checkpoint(row: Row) -> Checkpoint:
         model_sha256=row.model_sha256,
         metrics_json=row.metrics_json,
         created_at=row.created_at,
+        workflow_state_json=row.workflow_state_json,
+        workflow_state_sha256=row.workflow_state_sha256,
     )
 
 

@@ -167,6 +167,7 @@ jobs = sa.Table(
     sa.Column("spec_json", sa.Text(), nullable=False),
     sa.Column("job_data", sa.Text(), nullable=False),
     _sha("initial_model_sha256"),
+    sa.Column("initial_model_size_bytes", sa.BigInteger(), nullable=True),
     sa.Column("device_selector", sa.Text(), nullable=False),
     sa.Column("message", sa.Text(), nullable=False),
     _time("created_at"),
@@ -188,6 +189,9 @@ runs = sa.Table(
     sa.Column("message", sa.Text(), nullable=False),
     _time("created_at"),
     _time("updated_at"),
+    #: The workflow's own state at the last checkpoint (JSON), and the blob of its arrays.
+    sa.Column("workflow_state_json", sa.Text(), nullable=False, server_default="{}"),
+    _sha("workflow_state_sha256"),
     sa.Index(None, "job_id", "created_at"),
 )
 
@@ -205,6 +209,8 @@ tasks = sa.Table(
     sa.Column("targeted", sa.Boolean(), nullable=False),
     _state(),
     _time("created_at"),
+    #: The version of the model the task carries (NULL: it says none).
+    sa.Column("model_version", sa.BigInteger(), nullable=True),
     sa.CheckConstraint("slots >= 1", name="slots_positive"),
     sa.Index(None, "run_id", "round"),
     # Claims look for the oldest OPEN task of a job; closed tasks drop out of this index.
@@ -361,6 +367,8 @@ checkpoints = sa.Table(
     _sha("model_sha256", nullable=False),
     sa.Column("metrics_json", sa.Text(), nullable=False),
     _time("created_at"),
+    sa.Column("workflow_state_json", sa.Text(), nullable=False, server_default="{}"),
+    _sha("workflow_state_sha256"),
 )
 
 #: Per round and task name: the results accepted, kept by the report path for its result_received

@@ -7,48 +7,15 @@ driven by whom, restarts, aborts); the workflow owns the run's logic and its che
 
 from __future__ import annotations
 
-import asyncio
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from fedlink.server.coordination.known_tasks import KnownTasks
+from fedlink.server.coordination.notify import TaskNotifier
+from fedlink.server.coordination.progress import Progress
 from fedlink.server.domain import Clock, Job, Run
-from fedlink.server.protocol.notify import TaskNotifier
-from fedlink.server.protocol.reads import KnownTasks
 from fedlink.server.store import StateStore
-from fedlink.server.workflows.folding import RoundFold
-
-
-class Progress:
-    """Wakes a run's driver when something it waits for may have happened (a result, an expiry)."""
-
-    def __init__(self) -> None:
-        self._event = asyncio.Event()
-        #: How many times :meth:`poke` was called (a driver compares two readings: how much happened).
-        self.signals = 0
-        #: The open round's in-process fold, which the report path hands accepted updates to.
-        self.fold: RoundFold | None = None
-        #: Set by an urgent :meth:`poke`; the driver clears it when it reads the state again.
-        self.urgent = False
-
-    def poke(self, *, urgent: bool = False) -> None:
-        """Signals progress; ``urgent`` when the driver should look at once (a lease ran out, the job
-        changed) rather than when enough results came."""
-        self.signals += 1
-        if urgent:
-            self.urgent = True
-        self._event.set()
-
-    async def wait(self, seconds: float) -> None:
-        """Waits until the next :meth:`poke` or ``seconds``, whichever comes first."""
-        if seconds > 0 and not self._event.is_set():
-            try:
-                async with asyncio.timeout(seconds):
-                    await self._event.wait()
-            except TimeoutError:
-                pass
-        self._event.clear()
 
 
 class EventSink(Protocol):
@@ -80,10 +47,3 @@ class Workflow(Protocol):
     async def run(self, ctx: WorkflowContext) -> None:
         """Runs (or resumes) ``ctx.run`` to the end; raising fails the job with the error."""
         ...
-
-
-def workflow_name(spec_json: str) -> str:
-    """The workflow a job's spec names (e.g. ``"fedavg"``)."""
-    spec = json.loads(spec_json)
-    name = spec.get("workflow") if isinstance(spec, dict) else None
-    return str(name or "")

@@ -22,30 +22,32 @@ import json
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import NDArray
 
 from fedlink.common.dxo import DXO, DataKind, MetaKey, weight_of
 from fedlink.common.errors import FailedPrecondition, InvalidArgument
+from fedlink.server.coordination.model_outlines import read_blob_outline, spec_of
 from fedlink.server.domain import (
+    EVALUATE_TASK,
+    TRAIN_TASK,
     Assignment,
     AssignmentState,
     Result,
     ResultStatus,
     Task,
     TaskState,
+    selector_matches,
 )
-from fedlink.server.protocol.device import selector_matches
-from fedlink.server.protocol.model_specs import read_blob_outline, spec_of
-from fedlink.server.protocol.results import EVALUATE_TASK, TRAIN_TASK
 from fedlink.server.store import NewTask
 from fedlink.server.workflows.aggregation import apply_average
 from fedlink.server.workflows.base import WorkflowContext
 from fedlink.server.workflows.folding import LazyModel, MetricAverage, RoundFold, canonical_order
+from fedlink.server.workflows.params import WorkflowParams, seconds_field
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +64,11 @@ class RoundFailed(FailedPrecondition):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class FedAvgParams:
-    """FedAvg's parameters (the proto's FedAvgConfig)."""
+class FedAvgParams(WorkflowParams):
+    """FedAvg's parameters (the proto's FedAvgConfig): the synchronous rounds every round-based
+    strategy shares."""
+
+    exclusive_keys = (("fraction", "devices_per_round"),)
 
     #: Rounds to run.
     num_rounds: int
@@ -74,15 +79,15 @@ class FedAvgParams:
     #: Results needed to close a round; 0 means every sampled device.
     min_results: int = 0
     #: How long a round stays open.
-    round_timeout_s: float = 600.0
+    round_timeout_s: float = seconds_field(600.0)
     #: Eligible online devices needed before the first round; 0 means ``min_results`` (at least 1).
     min_devices: int = 0
     #: Seed of the sampling generator.
     seed: int = 0
     #: Send an ``evaluate`` task with the new model to the round's devices after aggregation.
     evaluate: bool = False
-    #: "retry" or "fail" when a round got too few results.
-    round_failure_policy: str = "retry"
+    #: What to do when a round got too few results: hand it out again, or fail the job.
+    round_failure_policy: Literal["retry", "fail"] = "retry"
     #: How many times a round may be retried.
     max_round_retries: int = 2
     #: Round checkpoints kept besides the final model.
@@ -90,9 +95,9 @@ class FedAvgParams:
 
     def __post_init__(self) -> None:
         if self.num_rounds < 1:
-            raise InvalidArgument("fedavg.num_rounds must be at least 1")
+            raise InvalidArgument("num_rounds must be at least 1")
         if not 0 < self.fraction <= 1:
-            raise InvalidArgument("fedavg.fraction must be in (0, 1]")
+            raise InvalidArgument("fraction must be in (0, 1]")
         for name in (
             "devices_per_round",
             "min_results",
@@ -101,26 +106,23 @@ class FedAvgParams:
             "keep_checkpoints",
         ):
             if getattr(self, name) < 0:
-                raise InvalidArgument(f"fedavg.{name} must not be negative")
+                raise InvalidArgument(f"{name} must not be negative")
         if self.devices_per_round and self.min_results > self.devices_per_round:
-            raise InvalidArgument("fedavg.min_results cannot exceed fedavg.devices_per_round")
+            raise InvalidArgument("min_results cannot exceed devices_per_round")
         if not (math.isfinite(self.round_timeout_s) and self.round_timeout_s > 0):
-            raise InvalidArgument("fedavg.round_timeout must be positive")
+            raise InvalidArgument("round_timeout must be positive")
         if self.round_failure_policy not in ("retry", "fail"):
-            raise InvalidArgument("fedavg.round_failure_policy must be 'retry' or 'fail'")
+            raise InvalidArgument("round_failure_policy must be 'retry' or 'fail'")
 
-    def to_spec_json(self) -> str:
-        """The job spec document that names this workflow and its parameters."""
-        return json.dumps({"workflow": "fedavg", "fedavg": asdict(self)}, sort_keys=True)
+    @property
+    def num_steps(self) -> int:
+        """The rounds to run."""
+        return self.num_rounds
 
-    @classmethod
-    def from_spec_json(cls, spec_json: str) -> FedAvgParams:
-        """Parses the job spec document written by :meth:`to_spec_json`."""
-        try:
-            spec = json.loads(spec_json)
-            return cls(**spec["fedavg"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise InvalidArgument(f"not a fedavg job spec: {exc}") from exc
+    def time_bound_s(self) -> float:
+        """Every round (and its evaluation) open to its timeout, with every retry."""
+        per_round = self.round_timeout_s * (self.max_round_retries + 1) * (2 if self.evaluate else 1)
+        return self.num_rounds * per_round
 
     def sample_size(self, eligible: int) -> int:
         """How many devices to sample from ``eligible`` ones."""
@@ -206,7 +208,7 @@ class FedAvg:
         """Runs one round on the global model ``model_sha`` (``model``, if the caller has it decoded);
         returns the new global model, stored and decoded."""
         fold = RoundFold(await self._global_model(ctx, model_sha, model), budget_bytes=_FOLD_AHEAD_BYTES)
-        ctx.progress.fold = fold
+        ctx.progress.sink = fold
         try:
             await self._collect(ctx, round_no, TRAIN_TASK, model_sha, fresh=fresh)
             # The round is closed: no result can be added. If the fold has every accepted result
@@ -215,7 +217,7 @@ class FedAvg:
             if not await fold.finish_if_all_folded(closed.succeeded):
                 await fold.finish(await self._succeeded(ctx, round_no, TRAIN_TASK), ctx.store.blobs.read_each)
         finally:
-            ctx.progress.fold = None
+            ctx.progress.sink = None
         count, metrics, devices = fold.average.count, dict(fold.metrics.result()), sorted(fold.devices())
         new_model = DXO(
             kind=DataKind.WEIGHTS,
@@ -436,12 +438,14 @@ class FedAvg:
                     deadline=deadline,
                     slots=1,
                     targets=(device,),
+                    # Training starts from the last round's model; evaluation sees this round's.
+                    model_version=round_no - 1 if name == TRAIN_TASK else round_no,
                 )
                 for device in devices
             ]
         )
-        if name == TRAIN_TASK and ctx.progress.fold is not None:
-            ctx.progress.fold.expect(created, devices)
+        if name == TRAIN_TASK and isinstance(ctx.progress.sink, RoundFold):
+            ctx.progress.sink.expect(created, devices)
         ctx.known_tasks.add(created)  # the devices' claims are answered without reading them back
         ctx.notifier.notify(ctx.job.job_id, devices)
 

@@ -5,7 +5,7 @@ bits: the order in which their tasks were handed out, and within one hand-out by
 (:func:`canonical_order`). Reading them all back from the store when the round closes makes the close
 wait for every result to be read, decoded and folded. :class:`RoundFold` instead folds each accepted
 result as soon as every result before it in that order is folded, from the decoded update the report
-path hands over in-process (:meth:`RoundFold.reserve`, then :meth:`RoundFold.settle` once the store has
+path hands over in-process (:meth:`RoundFold.offer`, then :meth:`RoundFold.settle` once the store has
 recorded the report): when the round closes only the results it could not fold yet are left.
 
 It is only ever a head start. The store stays the truth: at the close, :meth:`RoundFold.finish` takes the
@@ -35,7 +35,8 @@ from numpy.typing import NDArray
 from fedlink.common.dxo import DXO, DataKind, weight_of
 from fedlink.common.errors import FailedPrecondition
 from fedlink.server.domain import Result, Task
-from fedlink.server.workflows.aggregation import VariableSpec, WeightedAverage, model_spec
+from fedlink.server.domain.updates import VariableSpec, model_spec
+from fedlink.server.workflows.aggregation import WeightedAverage
 
 #: Updates with more elements than this are folded in a worker thread (numpy releases the GIL), so the
 #: event loop goes on serving devices meanwhile. Smaller ones (up to ~30 ms of work) are folded on the
@@ -144,10 +145,10 @@ class RoundFold:
         self._folded_ids: set[str] = set()
         #: The devices of the results folded, in order.
         self._devices: list[str] = []
-        #: Callers of :meth:`folded`, by task.
+        #: Callers of :meth:`absorbed`, by task.
         self._watchers: dict[str, list[asyncio.Future[None]]] = {}
         self._last_fold = 0.0
-        #: One timer for every caller of :meth:`folded` (lets them all go if the fold stalls).
+        #: One timer for every caller of :meth:`absorbed` (lets them all go if the fold stalls).
         self._stall_timer: asyncio.TimerHandle | None = None
         self._patience = 0.0
         self._held: dict[str, _Held] = {}
@@ -169,7 +170,7 @@ class RoundFold:
         self._order.sort(key=self._keys.__getitem__)
 
     # ---- what the report path tells it ----
-    def reserve(self, task_id: str, request_id: str, update: DXO) -> bool:
+    def offer(self, task_id: str, request_id: str, update: DXO) -> bool:
         """Offers a validated update of a report about to be recorded; True if the fold holds it.
 
         Declined: a task this driver did not hand out, or already folded or held, or no room left.
@@ -233,7 +234,7 @@ class RoundFold:
         self.average.add(update.data, weight, checked=True, minus=minus)  # the report path validated it
         self.metrics.add(update.meta, weight)
 
-    async def folded(self, task_id: str, *, patience: float) -> None:
+    async def absorbed(self, task_id: str, *, patience: float) -> None:
         """Returns once the update held for ``task_id`` is folded (at once if none is held), or once
         the fold went ``patience`` seconds without folding anything (it waits for an earlier result).
 
@@ -255,7 +256,7 @@ class RoundFold:
         await watcher
 
     def _check_stall(self) -> None:
-        """Lets every caller of :meth:`folded` go if nothing was folded (or asked) for ``patience``."""
+        """Lets every caller of :meth:`absorbed` go if nothing was folded (or asked) for ``patience``."""
         self._stall_timer = None
         if not self._watchers:
             return

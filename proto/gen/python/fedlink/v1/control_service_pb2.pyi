@@ -116,6 +116,344 @@ class FedAvgConfig(_message.Message):
 Global___FedAvgConfig: _TypeAlias = FedAvgConfig  # noqa: Y015
 
 @_typing.final
+class FedAvgMConfig(_message.Message):
+    """Parameters of FedAvgM (Hsu et al. 2019, "Measuring the Effects of Non-Identical Data Distribution"):
+    FedAvg's rounds, then a server step with momentum on the round's average update, as Flower's FedAvgM:
+    `buffer = delta` in the first round, `buffer = server_momentum * buffer + delta` after, and
+    `model = model + server_learning_rate * buffer`, where `delta` is the round's weighted mean update.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUNDS_FIELD_NUMBER: _builtins.int
+    SERVER_LEARNING_RATE_FIELD_NUMBER: _builtins.int
+    SERVER_MOMENTUM_FIELD_NUMBER: _builtins.int
+    server_learning_rate: _builtins.float
+    """The server learning rate (> 0); unset means 1.0."""
+    server_momentum: _builtins.float
+    """The server momentum, in [0, 1); unset means 0.0 (then the step is `model + lr * delta`)."""
+    @_builtins.property
+    def rounds(self) -> Global___FedAvgConfig:
+        """The rounds: sampling, timeouts, evaluation and retries, as FedAvg's."""
+
+    def __init__(
+        self,
+        *,
+        rounds: Global___FedAvgConfig | None = ...,
+        server_learning_rate: _builtins.float | None = ...,
+        server_momentum: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_server_learning_rate", b"_server_learning_rate", "_server_momentum", b"_server_momentum", "rounds", b"rounds", "server_learning_rate", b"server_learning_rate", "server_momentum", b"server_momentum"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_server_learning_rate", b"_server_learning_rate", "_server_momentum", b"_server_momentum", "rounds", b"rounds", "server_learning_rate", b"server_learning_rate", "server_momentum", b"server_momentum"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__server_learning_rate: _TypeAlias = _typing.Literal["server_learning_rate"]  # noqa: Y015
+    _WhichOneofArgType__server_learning_rate: _TypeAlias = _typing.Literal["_server_learning_rate", b"_server_learning_rate"]  # noqa: Y015
+    _WhichOneofReturnType__server_momentum: _TypeAlias = _typing.Literal["server_momentum"]  # noqa: Y015
+    _WhichOneofArgType__server_momentum: _TypeAlias = _typing.Literal["_server_momentum", b"_server_momentum"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__server_learning_rate) -> _WhichOneofReturnType__server_learning_rate | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__server_momentum) -> _WhichOneofReturnType__server_momentum | None: ...
+
+Global___FedAvgMConfig: _TypeAlias = FedAvgMConfig  # noqa: Y015
+
+@_typing.final
+class FedAdamConfig(_message.Message):
+    """Parameters of FedAdam (Reddi et al. 2021, "Adaptive Federated Optimization"), as Flower's FedAdam:
+    with `delta` the round's weighted mean update, `m = beta_1 * m + (1 - beta_1) * delta`,
+    `v = beta_2 * v + (1 - beta_2) * delta^2` (both zero before the first round), and
+    `model = model + eta_t * m / (sqrt(v) + tau)`, where with bias correction
+    `eta_t = server_learning_rate * sqrt(1 - beta_2^(t+1)) / (1 - beta_1^(t+1))` for round t (Flower's
+    exponent), else `eta_t = server_learning_rate`. `m` and `v` are checkpointed with the model.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUNDS_FIELD_NUMBER: _builtins.int
+    SERVER_LEARNING_RATE_FIELD_NUMBER: _builtins.int
+    BETA_1_FIELD_NUMBER: _builtins.int
+    BETA_2_FIELD_NUMBER: _builtins.int
+    TAU_FIELD_NUMBER: _builtins.int
+    BIAS_CORRECTION_FIELD_NUMBER: _builtins.int
+    server_learning_rate: _builtins.float
+    """The server learning rate `eta` (> 0); unset means 0.1."""
+    beta_1: _builtins.float
+    """The first-moment decay, in [0, 1); unset means 0.9."""
+    beta_2: _builtins.float
+    """The second-moment decay, in [0, 1); unset means 0.99."""
+    tau: _builtins.float
+    """The adaptivity `tau` (> 0) added to `sqrt(v)`; unset means 0.001."""
+    bias_correction: _builtins.bool
+    """Whether to correct the learning rate for the moments' zero start; unset means true."""
+    @_builtins.property
+    def rounds(self) -> Global___FedAvgConfig:
+        """The rounds: sampling, timeouts, evaluation and retries, as FedAvg's."""
+
+    def __init__(
+        self,
+        *,
+        rounds: Global___FedAvgConfig | None = ...,
+        server_learning_rate: _builtins.float | None = ...,
+        beta_1: _builtins.float | None = ...,
+        beta_2: _builtins.float | None = ...,
+        tau: _builtins.float | None = ...,
+        bias_correction: _builtins.bool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_beta_1", b"_beta_1", "_beta_2", b"_beta_2", "_bias_correction", b"_bias_correction", "_server_learning_rate", b"_server_learning_rate", "_tau", b"_tau", "beta_1", b"beta_1", "beta_2", b"beta_2", "bias_correction", b"bias_correction", "rounds", b"rounds", "server_learning_rate", b"server_learning_rate", "tau", b"tau"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_beta_1", b"_beta_1", "_beta_2", b"_beta_2", "_bias_correction", b"_bias_correction", "_server_learning_rate", b"_server_learning_rate", "_tau", b"_tau", "beta_1", b"beta_1", "beta_2", b"beta_2", "bias_correction", b"bias_correction", "rounds", b"rounds", "server_learning_rate", b"server_learning_rate", "tau", b"tau"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__beta_1: _TypeAlias = _typing.Literal["beta_1"]  # noqa: Y015
+    _WhichOneofArgType__beta_1: _TypeAlias = _typing.Literal["_beta_1", b"_beta_1"]  # noqa: Y015
+    _WhichOneofReturnType__beta_2: _TypeAlias = _typing.Literal["beta_2"]  # noqa: Y015
+    _WhichOneofArgType__beta_2: _TypeAlias = _typing.Literal["_beta_2", b"_beta_2"]  # noqa: Y015
+    _WhichOneofReturnType__bias_correction: _TypeAlias = _typing.Literal["bias_correction"]  # noqa: Y015
+    _WhichOneofArgType__bias_correction: _TypeAlias = _typing.Literal["_bias_correction", b"_bias_correction"]  # noqa: Y015
+    _WhichOneofReturnType__server_learning_rate: _TypeAlias = _typing.Literal["server_learning_rate"]  # noqa: Y015
+    _WhichOneofArgType__server_learning_rate: _TypeAlias = _typing.Literal["_server_learning_rate", b"_server_learning_rate"]  # noqa: Y015
+    _WhichOneofReturnType__tau: _TypeAlias = _typing.Literal["tau"]  # noqa: Y015
+    _WhichOneofArgType__tau: _TypeAlias = _typing.Literal["_tau", b"_tau"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__beta_1) -> _WhichOneofReturnType__beta_1 | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__beta_2) -> _WhichOneofReturnType__beta_2 | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__bias_correction) -> _WhichOneofReturnType__bias_correction | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__server_learning_rate) -> _WhichOneofReturnType__server_learning_rate | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tau) -> _WhichOneofReturnType__tau | None: ...
+
+Global___FedAdamConfig: _TypeAlias = FedAdamConfig  # noqa: Y015
+
+@_typing.final
+class FedYogiConfig(_message.Message):
+    """Parameters of FedYogi (Reddi et al. 2021), as Flower's FedYogi: FedAdam's step with
+    `v = v - (1 - beta_2) * delta^2 * sign(v - delta^2)` and no bias correction.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUNDS_FIELD_NUMBER: _builtins.int
+    SERVER_LEARNING_RATE_FIELD_NUMBER: _builtins.int
+    BETA_1_FIELD_NUMBER: _builtins.int
+    BETA_2_FIELD_NUMBER: _builtins.int
+    TAU_FIELD_NUMBER: _builtins.int
+    server_learning_rate: _builtins.float
+    """The server learning rate `eta` (> 0); unset means 0.01."""
+    beta_1: _builtins.float
+    """The first-moment decay, in [0, 1); unset means 0.9."""
+    beta_2: _builtins.float
+    """The second-moment decay, in [0, 1); unset means 0.99."""
+    tau: _builtins.float
+    """The adaptivity `tau` (> 0) added to `sqrt(v)`; unset means 0.001."""
+    @_builtins.property
+    def rounds(self) -> Global___FedAvgConfig:
+        """The rounds: sampling, timeouts, evaluation and retries, as FedAvg's."""
+
+    def __init__(
+        self,
+        *,
+        rounds: Global___FedAvgConfig | None = ...,
+        server_learning_rate: _builtins.float | None = ...,
+        beta_1: _builtins.float | None = ...,
+        beta_2: _builtins.float | None = ...,
+        tau: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_beta_1", b"_beta_1", "_beta_2", b"_beta_2", "_server_learning_rate", b"_server_learning_rate", "_tau", b"_tau", "beta_1", b"beta_1", "beta_2", b"beta_2", "rounds", b"rounds", "server_learning_rate", b"server_learning_rate", "tau", b"tau"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_beta_1", b"_beta_1", "_beta_2", b"_beta_2", "_server_learning_rate", b"_server_learning_rate", "_tau", b"_tau", "beta_1", b"beta_1", "beta_2", b"beta_2", "rounds", b"rounds", "server_learning_rate", b"server_learning_rate", "tau", b"tau"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__beta_1: _TypeAlias = _typing.Literal["beta_1"]  # noqa: Y015
+    _WhichOneofArgType__beta_1: _TypeAlias = _typing.Literal["_beta_1", b"_beta_1"]  # noqa: Y015
+    _WhichOneofReturnType__beta_2: _TypeAlias = _typing.Literal["beta_2"]  # noqa: Y015
+    _WhichOneofArgType__beta_2: _TypeAlias = _typing.Literal["_beta_2", b"_beta_2"]  # noqa: Y015
+    _WhichOneofReturnType__server_learning_rate: _TypeAlias = _typing.Literal["server_learning_rate"]  # noqa: Y015
+    _WhichOneofArgType__server_learning_rate: _TypeAlias = _typing.Literal["_server_learning_rate", b"_server_learning_rate"]  # noqa: Y015
+    _WhichOneofReturnType__tau: _TypeAlias = _typing.Literal["tau"]  # noqa: Y015
+    _WhichOneofArgType__tau: _TypeAlias = _typing.Literal["_tau", b"_tau"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__beta_1) -> _WhichOneofReturnType__beta_1 | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__beta_2) -> _WhichOneofReturnType__beta_2 | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__server_learning_rate) -> _WhichOneofReturnType__server_learning_rate | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tau) -> _WhichOneofReturnType__tau | None: ...
+
+Global___FedYogiConfig: _TypeAlias = FedYogiConfig  # noqa: Y015
+
+@_typing.final
+class FedAdagradConfig(_message.Message):
+    """Parameters of FedAdagrad (Reddi et al. 2021), as Flower's FedAdagrad: `v = v + delta^2` and
+    `model = model + server_learning_rate * delta / (sqrt(v) + tau)`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUNDS_FIELD_NUMBER: _builtins.int
+    SERVER_LEARNING_RATE_FIELD_NUMBER: _builtins.int
+    TAU_FIELD_NUMBER: _builtins.int
+    server_learning_rate: _builtins.float
+    """The server learning rate `eta` (> 0); unset means 0.1."""
+    tau: _builtins.float
+    """The adaptivity `tau` (> 0) added to `sqrt(v)`; unset means 0.001."""
+    @_builtins.property
+    def rounds(self) -> Global___FedAvgConfig:
+        """The rounds: sampling, timeouts, evaluation and retries, as FedAvg's."""
+
+    def __init__(
+        self,
+        *,
+        rounds: Global___FedAvgConfig | None = ...,
+        server_learning_rate: _builtins.float | None = ...,
+        tau: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_server_learning_rate", b"_server_learning_rate", "_tau", b"_tau", "rounds", b"rounds", "server_learning_rate", b"server_learning_rate", "tau", b"tau"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_server_learning_rate", b"_server_learning_rate", "_tau", b"_tau", "rounds", b"rounds", "server_learning_rate", b"server_learning_rate", "tau", b"tau"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__server_learning_rate: _TypeAlias = _typing.Literal["server_learning_rate"]  # noqa: Y015
+    _WhichOneofArgType__server_learning_rate: _TypeAlias = _typing.Literal["_server_learning_rate", b"_server_learning_rate"]  # noqa: Y015
+    _WhichOneofReturnType__tau: _TypeAlias = _typing.Literal["tau"]  # noqa: Y015
+    _WhichOneofArgType__tau: _TypeAlias = _typing.Literal["_tau", b"_tau"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__server_learning_rate) -> _WhichOneofReturnType__server_learning_rate | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tau) -> _WhichOneofReturnType__tau | None: ...
+
+Global___FedAdagradConfig: _TypeAlias = FedAdagradConfig  # noqa: Y015
+
+@_typing.final
+class FedMedianConfig(_message.Message):
+    """Parameters of FedMedian (Yin et al. 2018): each variable of the new model is the current one plus
+    the coordinate-wise median of the round's updates (unweighted), as Flower's FedMedian. The round's
+    updates are held in memory: `rounds.devices_per_round` must be set, and `devices_per_round` times the
+    model's size may not exceed the coordinator's `max_buffered_round_bytes`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUNDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def rounds(self) -> Global___FedAvgConfig:
+        """The rounds: sampling, timeouts, evaluation and retries, as FedAvg's."""
+
+    def __init__(
+        self,
+        *,
+        rounds: Global___FedAvgConfig | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rounds", b"rounds"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rounds", b"rounds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FedMedianConfig: _TypeAlias = FedMedianConfig  # noqa: Y015
+
+@_typing.final
+class FedTrimmedAvgConfig(_message.Message):
+    """Parameters of FedTrimmedAvg (Yin et al. 2018): the coordinate-wise mean of the round's updates after
+    dropping the `floor(beta * n)` smallest and largest values of each coordinate (unweighted), as
+    Flower's FedTrimmedAvg. Holds the round's updates in memory, as FedMedianConfig says.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUNDS_FIELD_NUMBER: _builtins.int
+    BETA_FIELD_NUMBER: _builtins.int
+    beta: _builtins.float
+    """The fraction cut from each end, in [0, 0.5); unset means 0.2."""
+    @_builtins.property
+    def rounds(self) -> Global___FedAvgConfig:
+        """The rounds: sampling, timeouts, evaluation and retries, as FedAvg's."""
+
+    def __init__(
+        self,
+        *,
+        rounds: Global___FedAvgConfig | None = ...,
+        beta: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_beta", b"_beta", "beta", b"beta", "rounds", b"rounds"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_beta", b"_beta", "beta", b"beta", "rounds", b"rounds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__beta: _TypeAlias = _typing.Literal["beta"]  # noqa: Y015
+    _WhichOneofArgType__beta: _TypeAlias = _typing.Literal["_beta", b"_beta"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__beta) -> _WhichOneofReturnType__beta | None: ...
+
+Global___FedTrimmedAvgConfig: _TypeAlias = FedTrimmedAvgConfig  # noqa: Y015
+
+@_typing.final
+class KrumConfig(_message.Message):
+    """Parameters of Krum and Multi-Krum (Blanchard et al. 2017), as Flower's Krum and MultiKrum: each
+    update is scored by the sum of its squared distances to its `n - num_malicious - 2` nearest others
+    (at least 1); the `num_to_select` best are averaged, weighted as FedAvg weighs. Holds the round's
+    updates in memory, as FedMedianConfig says.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUNDS_FIELD_NUMBER: _builtins.int
+    NUM_MALICIOUS_FIELD_NUMBER: _builtins.int
+    NUM_TO_SELECT_FIELD_NUMBER: _builtins.int
+    num_malicious: _builtins.int
+    """How many devices of a round may be malicious (>= 0)."""
+    num_to_select: _builtins.int
+    """How many of the best-scored updates to average: 1 is Krum, more is Multi-Krum; unset means 1."""
+    @_builtins.property
+    def rounds(self) -> Global___FedAvgConfig:
+        """The rounds: sampling, timeouts, evaluation and retries, as FedAvg's."""
+
+    def __init__(
+        self,
+        *,
+        rounds: Global___FedAvgConfig | None = ...,
+        num_malicious: _builtins.int = ...,
+        num_to_select: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_num_to_select", b"_num_to_select", "num_to_select", b"num_to_select", "rounds", b"rounds"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_to_select", b"_num_to_select", "num_malicious", b"num_malicious", "num_to_select", b"num_to_select", "rounds", b"rounds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__num_to_select: _TypeAlias = _typing.Literal["num_to_select"]  # noqa: Y015
+    _WhichOneofArgType__num_to_select: _TypeAlias = _typing.Literal["_num_to_select", b"_num_to_select"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__num_to_select) -> _WhichOneofReturnType__num_to_select | None: ...
+
+Global___KrumConfig: _TypeAlias = KrumConfig  # noqa: Y015
+
+@_typing.final
+class CustomWorkflowConfig(_message.Message):
+    """A workflow of the operator's own: a factory the coordinator imports and calls with `config_json`.
+    The coordinator refuses it with FAILED_PRECONDITION unless its `allow_workflows` setting matches the
+    module; an import or config the factory refuses gets INVALID_ARGUMENT.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    CONFIG_JSON_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The factory's import path, `pkg.module:factory`."""
+    config_json: _builtins.str
+    """The workflow's configuration, a JSON object handed to the factory; empty means `{}`."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        config_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_json", b"config_json", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CustomWorkflowConfig: _TypeAlias = CustomWorkflowConfig  # noqa: Y015
+
+@_typing.final
 class JobSpec(_message.Message):
     """What an operator submits."""
 
@@ -143,6 +481,14 @@ class JobSpec(_message.Message):
 
     NAME_FIELD_NUMBER: _builtins.int
     FEDAVG_FIELD_NUMBER: _builtins.int
+    FEDAVGM_FIELD_NUMBER: _builtins.int
+    FEDADAM_FIELD_NUMBER: _builtins.int
+    FEDYOGI_FIELD_NUMBER: _builtins.int
+    FEDADAGRAD_FIELD_NUMBER: _builtins.int
+    FEDMEDIAN_FIELD_NUMBER: _builtins.int
+    FEDTRIMMEDAVG_FIELD_NUMBER: _builtins.int
+    KRUM_FIELD_NUMBER: _builtins.int
+    CUSTOM_FIELD_NUMBER: _builtins.int
     JOB_DATA_FIELD_NUMBER: _builtins.int
     INITIAL_MODEL_FIELD_NUMBER: _builtins.int
     DEVICE_SELECTOR_FIELD_NUMBER: _builtins.int
@@ -155,9 +501,42 @@ class JobSpec(_message.Message):
         """Synchronous federated averaging."""
 
     @_builtins.property
+    def fedavgm(self) -> Global___FedAvgMConfig:
+        """FedAvg with server-side momentum."""
+
+    @_builtins.property
+    def fedadam(self) -> Global___FedAdamConfig:
+        """FedAvg rounds with the Adam server optimizer."""
+
+    @_builtins.property
+    def fedyogi(self) -> Global___FedYogiConfig:
+        """FedAvg rounds with the Yogi server optimizer."""
+
+    @_builtins.property
+    def fedadagrad(self) -> Global___FedAdagradConfig:
+        """FedAvg rounds with the Adagrad server optimizer."""
+
+    @_builtins.property
+    def fedmedian(self) -> Global___FedMedianConfig:
+        """Rounds aggregated by the coordinate-wise median."""
+
+    @_builtins.property
+    def fedtrimmedavg(self) -> Global___FedTrimmedAvgConfig:
+        """Rounds aggregated by the coordinate-wise trimmed mean."""
+
+    @_builtins.property
+    def krum(self) -> Global___KrumConfig:
+        """Rounds aggregated by Krum or Multi-Krum."""
+
+    @_builtins.property
+    def custom(self) -> Global___CustomWorkflowConfig:
+        """A workflow of the operator's own, named by import path."""
+
+    @_builtins.property
     def initial_model(self) -> _dxo_pb2.BlobRef:
         """The initial global model: a blob uploaded with UploadModel holding a serialized `Dxo` of kind
-        WEIGHTS.
+        WEIGHTS. A submission may leave `size_bytes` zero (a size that differs from the stored blob's gets
+        INVALID_ARGUMENT); DescribeJob returns it.
         """
 
     @_builtins.property
@@ -171,15 +550,23 @@ class JobSpec(_message.Message):
         *,
         name: _builtins.str = ...,
         fedavg: Global___FedAvgConfig | None = ...,
+        fedavgm: Global___FedAvgMConfig | None = ...,
+        fedadam: Global___FedAdamConfig | None = ...,
+        fedyogi: Global___FedYogiConfig | None = ...,
+        fedadagrad: Global___FedAdagradConfig | None = ...,
+        fedmedian: Global___FedMedianConfig | None = ...,
+        fedtrimmedavg: Global___FedTrimmedAvgConfig | None = ...,
+        krum: Global___KrumConfig | None = ...,
+        custom: Global___CustomWorkflowConfig | None = ...,
         job_data: _builtins.str = ...,
         initial_model: _dxo_pb2.BlobRef | None = ...,
         device_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["fedavg", b"fedavg", "initial_model", b"initial_model", "workflow", b"workflow"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["custom", b"custom", "fedadagrad", b"fedadagrad", "fedadam", b"fedadam", "fedavg", b"fedavg", "fedavgm", b"fedavgm", "fedmedian", b"fedmedian", "fedtrimmedavg", b"fedtrimmedavg", "fedyogi", b"fedyogi", "initial_model", b"initial_model", "krum", b"krum", "workflow", b"workflow"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_selector", b"device_selector", "fedavg", b"fedavg", "initial_model", b"initial_model", "job_data", b"job_data", "name", b"name", "workflow", b"workflow"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["custom", b"custom", "device_selector", b"device_selector", "fedadagrad", b"fedadagrad", "fedadam", b"fedadam", "fedavg", b"fedavg", "fedavgm", b"fedavgm", "fedmedian", b"fedmedian", "fedtrimmedavg", b"fedtrimmedavg", "fedyogi", b"fedyogi", "initial_model", b"initial_model", "job_data", b"job_data", "krum", b"krum", "name", b"name", "workflow", b"workflow"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_workflow: _TypeAlias = _typing.Literal["fedavg"]  # noqa: Y015
+    _WhichOneofReturnType_workflow: _TypeAlias = _typing.Literal["fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedmedian", "fedtrimmedavg", "krum", "custom"]  # noqa: Y015
     _WhichOneofArgType_workflow: _TypeAlias = _typing.Literal["workflow", b"workflow"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_workflow) -> _WhichOneofReturnType_workflow | None: ...
 
@@ -219,14 +606,22 @@ class Job(_message.Message):
     CURRENT_ROUND_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     METRICS_FIELD_NUMBER: _builtins.int
+    COMPLETED_ROUNDS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The coordinator-assigned id."""
     state: _states_pb2.JobState.ValueType
     """The job's state."""
     current_round: _builtins.int
-    """The round in progress (1-based), or the last round once the job is final; zero before the first."""
+    """The round in progress (1-based): the one whose tasks are out, or about to be. Once the job is
+    final, the round it ended in (for a FINISHED job, its last round). Zero while the job is PENDING.
+    For workflows without rounds, the model version being made.
+    """
     message: _builtins.str
     """Why the job failed or was aborted; empty otherwise."""
+    completed_rounds: _builtins.int
+    """Rounds closed so far, each with its model checkpointed (for workflows without rounds, model
+    versions made). A FINISHED job has completed every round; `current_round` - 1 while a round runs.
+    """
     @_builtins.property
     def spec(self) -> Global___JobSpec:
         """What was submitted."""
@@ -254,10 +649,11 @@ class Job(_message.Message):
         current_round: _builtins.int = ...,
         message: _builtins.str = ...,
         metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        completed_rounds: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "spec", b"spec", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "current_round", b"current_round", "job_id", b"job_id", "message", b"message", "metrics", b"metrics", "spec", b"spec", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed_rounds", b"completed_rounds", "create_time", b"create_time", "current_round", b"current_round", "job_id", b"job_id", "message", b"message", "metrics", b"metrics", "spec", b"spec", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -303,7 +303,8 @@ class Dxo(_message.Message):
     @_builtins.property
     def meta(self) -> _containers.MessageMap[_builtins.str, Global___MetaValue]:
         """Name to value. Well-known keys: `num_examples` (int, the aggregation weight),
-        `num_steps_current_round` (int, the fallback weight), `model_version` (int).
+        `num_steps_current_round` (int, the fallback weight), `model_version` (int: in a task, the
+        version of the model it carries, as GetTaskResponse.model_version says).
         """
 
     @_builtins.property

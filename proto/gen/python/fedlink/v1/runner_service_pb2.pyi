@@ -367,6 +367,8 @@ class GetTaskResponse(_message.Message):
     LEASE_EXPIRE_TIME_FIELD_NUMBER: _builtins.int
     RETRY_AFTER_FIELD_NUMBER: _builtins.int
     ASSIGNMENT_ID_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
+    MODEL_VERSION_FIELD_NUMBER: _builtins.int
     status: Global___RunnerStatus.ValueType
     """OK, RETRY, NO_TASK or DONE."""
     task_id: _builtins.str
@@ -377,6 +379,13 @@ class GetTaskResponse(_message.Message):
     """An opaque token, signed by the coordinator, to send back with ReportResult and the next GetTask."""
     assignment_id: _builtins.str
     """The assignment's id, for logs and ReportResult."""
+    round: _builtins.int
+    """The round the task belongs to (1-based; for workflows without rounds, 0), OK only."""
+    model_version: _builtins.int
+    """The version of the model `task_data` carries: how many global model updates came before it (0 for
+    the job's initial model; r for the model round r made). Set when the task carries a model, OK only.
+    The runner writes it into the task DXO's `model_version` meta, replacing what the model file said.
+    """
     @_builtins.property
     def task_data(self) -> _dxo_pb2.Payload:
         """The task's input DXO, inline or as a blob to download (OK only)."""
@@ -405,12 +414,16 @@ class GetTaskResponse(_message.Message):
         lease_expire_time: _timestamp_pb2.Timestamp | None = ...,
         retry_after: _duration_pb2.Duration | None = ...,
         assignment_id: _builtins.str = ...,
+        round: _builtins.int = ...,
+        model_version: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "lease_expire_time", b"lease_expire_time", "retry_after", b"retry_after", "task_data", b"task_data"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_model_version", b"_model_version", "deadline", b"deadline", "lease_expire_time", b"lease_expire_time", "model_version", b"model_version", "retry_after", b"retry_after", "task_data", b"task_data"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment_id", b"assignment_id", "cookie", b"cookie", "deadline", b"deadline", "lease_expire_time", b"lease_expire_time", "retry_after", b"retry_after", "status", b"status", "task_data", b"task_data", "task_id", b"task_id", "task_name", b"task_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_model_version", b"_model_version", "assignment_id", b"assignment_id", "cookie", b"cookie", "deadline", b"deadline", "lease_expire_time", b"lease_expire_time", "model_version", b"model_version", "retry_after", b"retry_after", "round", b"round", "status", b"status", "task_data", b"task_data", "task_id", b"task_id", "task_name", b"task_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__model_version: _TypeAlias = _typing.Literal["model_version"]  # noqa: Y015
+    _WhichOneofArgType__model_version: _TypeAlias = _typing.Literal["_model_version", b"_model_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__model_version) -> _WhichOneofReturnType__model_version | None: ...
 
 Global___GetTaskResponse: _TypeAlias = GetTaskResponse  # noqa: Y015
 

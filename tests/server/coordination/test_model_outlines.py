@@ -11,10 +11,10 @@ import pytest
 
 from fedlink.common.dxo import DXO, DataKind
 from fedlink.common.errors import InvalidArgument, NotFound
+from fedlink.server.coordination.model_outlines import ModelOutlines
 from fedlink.server.domain import ManualClock
-from fedlink.server.protocol.model_specs import ModelOutlines
+from fedlink.server.domain.updates import model_spec
 from fedlink.server.store import CHUNK_SIZE, SqlStateStore, open_store
-from fedlink.server.workflows.aggregation import model_spec
 
 
 @pytest.fixture(params=["directory", "database"])

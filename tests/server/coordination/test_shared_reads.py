@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from fedlink.server.protocol.shared import SharedReads
+from fedlink.server.coordination.shared_reads import SharedReads
 
 
 async def test_concurrent_askers_share_one_read_and_later_ones_reuse_it() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from fedlink.server.coordination.known_tasks import KnownTasks
 from fedlink.server.domain import Task, TaskState
-from fedlink.server.protocol.reads import KnownTasks
 
 
 def _task(task_id: str) -> Task:

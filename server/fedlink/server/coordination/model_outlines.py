@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from fedlink.common.dxo_outline import DxoOutline, read_outline
-from fedlink.server.protocol.shared import SharedReads
+from fedlink.server.coordination.shared_reads import SharedReads
+from fedlink.server.domain.updates import VariableSpec
 from fedlink.server.store import BlobStore
-from fedlink.server.workflows.aggregation import VariableSpec
 
 #: Outlines kept: the models of the live jobs' current and last rounds.
 DEFAULT_CACHE_SIZE = 64

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from fedlink.server.protocol.notify import LocalTaskNotifier
+from fedlink.server.coordination.notify import LocalTaskNotifier
 
 
 async def test_a_notification_wakes_waiters_of_that_job_only() -> None:

@@ -1,0 +1,69 @@
+"""How the report path reaches the workflow driving a run, in-process: progress signals and updates.
+
+Every recorded report, release and expiry pokes the run's :class:`Progress`, so its driver reads the
+run's state again when something may have changed instead of polling. A driver may also take accepted
+updates as they are reported (an :class:`UpdateSink`: FedAvg's streaming fold, a robust rule's buffer),
+so that it need not read their payloads back from the store when it closes a round or makes a model.
+The store stays the truth: a sink is only ever a head start, and an update it never saw (reported to
+another replica, or before a restart) is read from the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+from fedlink.common.dxo import DXO
+
+
+class UpdateSink(Protocol):
+    """Takes a run's validated updates from the report path, in-process, for the driving workflow."""
+
+    def offer(self, task_id: str, request_id: str, update: DXO) -> bool:
+        """Offers the validated update of a report about to be recorded; True if the sink holds it.
+
+        :meth:`settle` follows once the store has recorded the report. A sink declines what it cannot
+        hold (a task it did not hand out, no room left): that update takes the store's path.
+        """
+        ...
+
+    def settle(self, task_id: str, request_id: str, *, accepted: bool) -> None:
+        """Says what the store made of an offered report: accepted (it counts) or not (drop it)."""
+        ...
+
+    async def absorbed(self, task_id: str, *, patience: float) -> None:
+        """Returns once the update held for ``task_id`` is used up (at once if none is held), or after
+        ``patience`` seconds without progress: a producer of updates (the simulation's virtual devices)
+        waits here so that held updates do not pile up beyond the sink's budget."""
+        ...
+
+
+class Progress:
+    """Wakes a run's driver when something it waits for may have happened (a result, an expiry)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+        #: How many times :meth:`poke` was called (a driver compares two readings: how much happened).
+        self.signals = 0
+        #: Where the report path hands the run's accepted updates, while the driver takes them.
+        self.sink: UpdateSink | None = None
+        #: Set by an urgent :meth:`poke`; the driver clears it when it reads the state again.
+        self.urgent = False
+
+    def poke(self, *, urgent: bool = False) -> None:
+        """Signals progress; ``urgent`` when the driver should look at once (a lease ran out, the job
+        changed) rather than when enough results came."""
+        self.signals += 1
+        if urgent:
+            self.urgent = True
+        self._event.set()
+
+    async def wait(self, seconds: float) -> None:
+        """Waits until the next :meth:`poke` or ``seconds``, whichever comes first."""
+        if seconds > 0 and not self._event.is_set():
+            try:
+                async with asyncio.timeout(seconds):
+                    await self._event.wait()
+            except TimeoutError:
+                pass
+        self._event.clear()
