@@ -1,14 +1,20 @@
-"""Streaming weighted averaging of model updates (FedAvg's aggregation step).
+"""Streaming weighted averaging of model updates (FedAvg's aggregation step), and the :class:`Aggregate`
+every round rule produces.
 
 Memory grows with the model, not with the number of results: each update is folded into per-variable
 float64 accumulators as it is read and then dropped. Callers feed updates in a canonical order (the
 workflow sorts by device id) so the same inputs give the same bits whatever order they arrived in.
+
+A round's aggregate (the weighted mean here, a median or a trimmed mean in
+:mod:`fedlink.server.workflows.robust`) is read a step of elements at a time, in float64
+(:meth:`Aggregate.steps`), so that a server step (:mod:`fedlink.server.workflows.optimizers`) can make
+the new model without float64 temporaries of the model's size.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -19,7 +25,22 @@ from fedlink.server.domain.updates import VariableSpec, check_update
 #: Elements folded per step: the step's float64 scratch (512 KiB) stays in the CPU's cache, so an
 #: update is read once and the accumulator read and written once, instead of every intermediate
 #: going through memory (half the memory traffic of whole-array steps at 1,000,000 floats).
-_STEP = 1 << 16
+STEP = 1 << 16
+
+
+class Aggregate(Protocol):
+    """A round's aggregate update (a difference to the round's model), read a step at a time."""
+
+    def covered(self) -> frozenset[str]:
+        """Names of the variables the aggregate has (those at least one update carried)."""
+        ...
+
+    def steps(self, name: str) -> Iterator[tuple[int, NDArray[np.float64]]]:
+        """A covered variable's aggregate, flattened, as ``(offset, float64 part)`` pairs in order.
+
+        Each part may be a scratch buffer that the next step overwrites: use it before asking for more.
+        """
+        ...
 
 
 def difference(value: NDArray[Any], base: NDArray[Any], out: NDArray[Any] | None = None) -> NDArray[Any]:
@@ -80,25 +101,25 @@ class WeightedAverage:
                 self._weights[name] = 0.0
             flat, sums = array.reshape(-1), total.reshape(-1)
             base = None if minus is None else minus[name].reshape(-1)
-            for start in range(0, flat.size, _STEP):
-                part = flat[start : start + _STEP]
+            for start in range(0, flat.size, STEP):
+                part = flat[start : start + STEP]
                 if base is not None:
-                    part = difference(part, base[start : start + _STEP], self._difference_buffer(part))
+                    part = difference(part, base[start : start + STEP], self._difference_buffer(part))
                 scratch = self._scratch_buffer(part.size)
                 np.multiply(part, w, out=scratch)  # float64 math, not float32
-                np.add(sums[start : start + _STEP], scratch, out=sums[start : start + _STEP])
+                np.add(sums[start : start + STEP], scratch, out=sums[start : start + STEP])
             self._weights[name] += weight
         self.count += 1
 
     def _scratch_buffer(self, size: int) -> NDArray[np.float64]:
         if self._scratch.size < size:
-            self._scratch = np.empty(max(size, min(_STEP, 1 << 20)), dtype=np.float64)
+            self._scratch = np.empty(max(size, min(STEP, 1 << 20)), dtype=np.float64)
         return self._scratch[:size]
 
     def _difference_buffer(self, part: NDArray[Any]) -> NDArray[Any]:
         buffer = self._differences.get(part.dtype)
         if buffer is None or buffer.size < part.size:
-            buffer = self._differences[part.dtype] = np.empty(max(part.size, _STEP), dtype=part.dtype)
+            buffer = self._differences[part.dtype] = np.empty(max(part.size, STEP), dtype=part.dtype)
         return buffer[: part.size]
 
     def covered(self) -> frozenset[str]:
@@ -109,7 +130,7 @@ class WeightedAverage:
         """The float64 average of each covered variable."""
         return {name: total / self._weights[name] for name, total in self._sums.items()}
 
-    def mean_steps(self, name: str) -> Iterator[tuple[int, NDArray[np.float64]]]:
+    def steps(self, name: str) -> Iterator[tuple[int, NDArray[np.float64]]]:
         """The float64 average of a covered variable, flattened, as ``(offset, part)`` a step at a time.
 
         The same values as :meth:`result`'s, without an array of the variable's size: each part is a
@@ -117,20 +138,20 @@ class WeightedAverage:
         """
         sums = self._sums[name].reshape(-1)
         weight = self._weights[name]
-        for start in range(0, sums.size, _STEP):
-            part = sums[start : start + _STEP]
+        for start in range(0, sums.size, STEP):
+            part = sums[start : start + STEP]
             yield start, np.divide(part, weight, out=self._scratch_buffer(part.size))
 
 
 def apply_average(
     global_model: Mapping[str, NDArray[np.generic]],
-    average: WeightedAverage,
+    average: Aggregate,
     *,
     is_diff: bool,
 ) -> dict[str, NDArray[np.generic]]:
-    """Builds the next global model from the current one and an average of updates.
+    """Builds the next global model from the current one and an aggregate of updates.
 
-    With ``is_diff`` the average is a mean weight difference added to the current weights; otherwise it
+    With ``is_diff`` the aggregate is a weight difference added to the current weights; otherwise it
     replaces them. Variables no update carried keep their current values.
     """
     out: dict[str, NDArray[np.generic]] = {}
@@ -144,7 +165,7 @@ def apply_average(
         # expression's three float64 temporaries of the model's size (a 1 GiB float32 model: 6 GiB).
         new = np.empty(current.shape, dtype=current.dtype)
         flat_new, flat_current = new.reshape(-1), current.reshape(-1)
-        for start, mean in average.mean_steps(name):
+        for start, mean in average.steps(name):
             end = start + mean.size
             if is_diff:
                 np.add(mean, flat_current[start:end], out=mean, dtype=np.float64)

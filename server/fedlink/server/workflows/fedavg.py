@@ -21,10 +21,10 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -32,6 +32,7 @@ from numpy.typing import NDArray
 from fedlink.common.dxo import DXO, DataKind, MetaKey, weight_of
 from fedlink.common.errors import FailedPrecondition, InvalidArgument
 from fedlink.server.coordination.model_outlines import read_blob_outline, spec_of
+from fedlink.server.coordination.progress import UpdateSink
 from fedlink.server.domain import (
     EVALUATE_TASK,
     TRAIN_TASK,
@@ -39,14 +40,16 @@ from fedlink.server.domain import (
     AssignmentState,
     Result,
     ResultStatus,
+    Run,
     Task,
     TaskState,
     selector_matches,
 )
 from fedlink.server.store import NewTask
-from fedlink.server.workflows.aggregation import apply_average
+from fedlink.server.workflows.aggregation import Aggregate
 from fedlink.server.workflows.base import WorkflowContext
 from fedlink.server.workflows.folding import LazyModel, MetricAverage, RoundFold, canonical_order
+from fedlink.server.workflows.optimizers import AddAggregate, OptimizerState, ServerStep
 from fedlink.server.workflows.params import WorkflowParams, seconds_field
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,24 @@ _EAGER_OWING = 8
 _LOST = frozenset({AssignmentState.EXPIRED, AssignmentState.RELEASED, AssignmentState.FAILED})
 #: Updates a round's in-process fold may hold before their turn comes (see RoundFold).
 _FOLD_AHEAD_BYTES = 256 * 1024**2
+
+
+async def save_state(ctx: WorkflowContext, state: OptimizerState) -> tuple[str, str | None]:
+    """A server step's state as the checkpoint keeps it: JSON values, and its arrays as a blob."""
+    values = json.dumps(dict(state.values), sort_keys=True)
+    if not state.arrays:
+        return values, None
+    ref = await ctx.store.blobs.put_bytes(DXO(kind=DataKind.APP_DEFINED, data=dict(state.arrays)).to_bytes())
+    return values, ref.sha256
+
+
+async def load_state(ctx: WorkflowContext, run: Run) -> OptimizerState:
+    """The server step's state at the run's last checkpoint (empty before the first)."""
+    values = json.loads(run.workflow_state_json or "{}")
+    if run.workflow_state_sha256 is None:
+        return OptimizerState(values=values)
+    arrays = DXO.from_bytes(await ctx.store.blobs.read(run.workflow_state_sha256)).data
+    return OptimizerState(values=values, arrays=arrays)
 
 
 class RoundFailed(FailedPrecondition):
@@ -175,14 +196,77 @@ class _RoundView:
         return [t for t in self.open() if t.task_id not in done and not self.lost(t)]
 
 
+class RoundUpdates(UpdateSink, Protocol):
+    """A round's accepted updates on their way to its aggregate: taken in-process as they are
+    reported (an :class:`UpdateSink`), completed from the store at the close."""
+
+    #: The round's global model.
+    model: LazyModel
+    #: The results' metrics, averaged.
+    metrics: MetricAverage
+
+    @property
+    def count(self) -> int:
+        """How many results the aggregate holds (once finished)."""
+        ...
+
+    def expect(self, tasks: Sequence[Task], devices: Sequence[str]) -> None:
+        """Adds train tasks handed out (``devices[i]`` the target of ``tasks[i]``)."""
+        ...
+
+    async def finish_if_all_folded(self, succeeded: int) -> bool:
+        """Ends the closed round if every one of its ``succeeded`` accepted results is taken already."""
+        ...
+
+    async def finish(
+        self, results: Sequence[Result], read_each: Callable[[Sequence[str]], AsyncIterator[bytes]]
+    ) -> None:
+        """Takes the closed round's accepted ``results`` (in canonical order) not taken yet."""
+        ...
+
+    def devices(self) -> list[str]:
+        """The devices whose results the aggregate holds."""
+        ...
+
+    def aggregate(self) -> Aggregate:
+        """The round's aggregate update (once finished)."""
+        ...
+
+
+#: Opens a round: its updates' holder, given the round's model.
+RoundRule = Callable[[LazyModel], RoundUpdates]
+
+
+def streaming_mean(model: LazyModel) -> RoundUpdates:
+    """FedAvg's round rule: the weighted mean, folded as results arrive (:class:`RoundFold`)."""
+    return RoundFold(model, budget_bytes=_FOLD_AHEAD_BYTES)
+
+
 class FedAvg:
-    """The FedAvg workflow."""
+    """The FedAvg workflow, and the round driver of every strategy built on its rounds.
+
+    ``rule`` says how a round's updates become its aggregate (the streaming weighted mean, or a robust
+    rule), ``server_step`` how the aggregate becomes the next model (added, or a server optimizer's
+    step, whose state is checkpointed with the model).
+    """
 
     def __init__(
-        self, params: FedAvgParams, *, poll_seconds: float = 1.0, min_check_seconds: float = 0.05
+        self,
+        params: FedAvgParams,
+        *,
+        rule: RoundRule = streaming_mean,
+        server_step: ServerStep | None = None,
+        poll_seconds: float = 1.0,
+        min_check_seconds: float | None = None,
     ) -> None:
         self.params = params
+        self._rule = rule
+        self._server = server_step if server_step is not None else AddAggregate()
+        #: The open round's updates, while its train tasks are out.
+        self._open: RoundUpdates | None = None
         self._poll = poll_seconds
+        if min_check_seconds is None:
+            min_check_seconds = 0.05
         self._min_check = min(min_check_seconds, poll_seconds)
         #: The longest a round owing many results goes unread while progress signals come. Every
         #: in-process change signals (results, releases; expiries and job changes urgently): this only
@@ -196,6 +280,7 @@ class FedAvg:
         if model_sha is None:
             raise InvalidArgument("the job has no initial model")
         model: DXO | None = None  # read from the store for the first round; then the one just made
+        self._server.restore(await load_state(ctx, run))
         for round_no in range(run.round + 1, self.params.num_rounds + 1):
             # Only the first round may be resumed; the later ones start here, with no tasks yet.
             fresh = round_no > run.round + 1
@@ -207,35 +292,44 @@ class FedAvg:
     ) -> tuple[str, DXO]:
         """Runs one round on the global model ``model_sha`` (``model``, if the caller has it decoded);
         returns the new global model, stored and decoded."""
-        fold = RoundFold(await self._global_model(ctx, model_sha, model), budget_bytes=_FOLD_AHEAD_BYTES)
-        ctx.progress.sink = fold
+        updates = self._rule(await self._global_model(ctx, model_sha, model))
+        ctx.progress.sink, self._open = updates, updates
         try:
             await self._collect(ctx, round_no, TRAIN_TASK, model_sha, fresh=fresh)
-            # The round is closed: no result can be added. If the fold has every accepted result
-            # the store counts, the results need not be read back.
+            # The round is closed: no result can be added. If the updates taken in-process are every
+            # accepted result the store counts, the results need not be read back.
             closed = await ctx.store.round_summary(run_id=ctx.run.run_id, round=round_no, name=TRAIN_TASK)
-            if not await fold.finish_if_all_folded(closed.succeeded):
-                await fold.finish(await self._succeeded(ctx, round_no, TRAIN_TASK), ctx.store.blobs.read_each)
+            if not await updates.finish_if_all_folded(closed.succeeded):
+                results = await self._succeeded(ctx, round_no, TRAIN_TASK)
+                await updates.finish(results, ctx.store.blobs.read_each)
         finally:
-            ctx.progress.sink = None
-        count, metrics, devices = fold.average.count, dict(fold.metrics.result()), sorted(fold.devices())
+            ctx.progress.sink, self._open = None, None
+        count, metrics, devices = updates.count, dict(updates.metrics.result()), sorted(updates.devices())
         new_model = DXO(
             kind=DataKind.WEIGHTS,
-            data=dict(apply_average(await fold.model.arrays(), fold.average, is_diff=True)),
+            data=self._server.apply(await updates.model.arrays(), updates.aggregate(), round_no=round_no),
             # The version a trainer sees next round: it seeds the shuffling, so rounds differ.
             meta={MetaKey.MODEL_VERSION: round_no, "round_results": count},
         )
-        # The float64 sums (twice the model) and the round's model go before the new one is serialized
-        # (two more copies of it): the close's peak is the average's, about four times the model.
-        del fold
+        # The aggregate (the float64 sums, twice the model, or a robust rule's updates) and the round's
+        # model go before the new one is serialized (two more copies of it).
+        del updates
         new_ref = await ctx.store.blobs.put_bytes(new_model.to_bytes())
         if self.params.evaluate:
             await self._collect(ctx, round_no, EVALUATE_TASK, new_ref.sha256, devices=devices)
             evaluation = await self._succeeded(ctx, round_no, EVALUATE_TASK)
             metrics.update(await self._metrics(ctx, evaluation, prefix="eval_"))
         metrics_json = json.dumps(metrics, sort_keys=True)
+        state_json, state_sha = await save_state(ctx, self._server.state())
         await ctx.store.save_checkpoint(
-            ctx.run.run_id, round_no, new_ref.sha256, metrics_json, keep_last=self.params.keep_checkpoints
+            ctx.run.run_id,
+            round_no,
+            new_ref.sha256,
+            metrics_json,
+            # The final model is the last checkpoint: "keep none besides it" keeps that one.
+            keep_last=max(1, self.params.keep_checkpoints),
+            state_json=state_json,
+            state_sha256=state_sha,
         )
         await ctx.events.emit(ctx.job, "round_closed", round_no, {"num_results": count, "metrics": metrics})
         log.info("round closed", extra={"job_id": ctx.job.job_id, "round": round_no, **metrics})
@@ -444,8 +538,8 @@ class FedAvg:
                 for device in devices
             ]
         )
-        if name == TRAIN_TASK and isinstance(ctx.progress.sink, RoundFold):
-            ctx.progress.sink.expect(created, devices)
+        if name == TRAIN_TASK and self._open is not None:
+            self._open.expect(created, devices)
         ctx.known_tasks.add(created)  # the devices' claims are answered without reading them back
         ctx.notifier.notify(ctx.job.job_id, devices)
 

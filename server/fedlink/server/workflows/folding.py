@@ -278,6 +278,15 @@ class RoundFold:
             self._stall_timer = None
 
     # ---- the close ----
+    @property
+    def count(self) -> int:
+        """How many results are folded."""
+        return self.average.count
+
+    def aggregate(self) -> WeightedAverage:
+        """The weighted mean of the folded updates."""
+        return self.average
+
     def devices(self) -> list[str]:
         """The devices whose results are folded, in order (all of the round's, once finished)."""
         return list(self._devices)

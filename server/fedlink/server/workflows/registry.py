@@ -23,6 +23,8 @@ from fedlink.server.workflows.base import Workflow
 from fedlink.server.workflows.custom import check_allowed, load_factory
 from fedlink.server.workflows.fedavg import FedAvg, FedAvgParams
 from fedlink.server.workflows.params import WorkflowParams
+from fedlink.server.workflows.robust import FedMedianParams, FedTrimmedAvgParams, KrumParams, RobustParams
+from fedlink.server.workflows.strategies import FedAdagradParams, FedAdamParams, FedAvgMParams, FedYogiParams
 
 P = TypeVar("P", bound=WorkflowParams)
 
@@ -66,9 +68,27 @@ class WorkflowType(Generic[P]):
     build: Callable[[P, DriverOptions], Workflow]
 
 
+def _rounds(params: FedAvgParams, options: DriverOptions, **parts: Any) -> Workflow:
+    return FedAvg(
+        params,
+        poll_seconds=options.poll_seconds,
+        min_check_seconds=options.round_check_seconds,
+        **parts,
+    )
+
+
 def _fedavg(params: FedAvgParams, options: DriverOptions) -> Workflow:
-    checks = {} if options.round_check_seconds is None else {"min_check_seconds": options.round_check_seconds}
-    return FedAvg(params, poll_seconds=options.poll_seconds, **checks)
+    return _rounds(params, options)
+
+
+def _optimized(
+    params: FedAvgMParams | FedAdamParams | FedYogiParams | FedAdagradParams, options: DriverOptions
+) -> Workflow:
+    return _rounds(params, options, server_step=params.server_step())
+
+
+def _robust(params: RobustParams, options: DriverOptions) -> Workflow:
+    return _rounds(params, options, rule=params.round_rule())
 
 
 _TYPES: tuple[WorkflowType[Any], ...] = (
@@ -77,6 +97,48 @@ _TYPES: tuple[WorkflowType[Any], ...] = (
         summary="synchronous rounds of sampled devices, weighted averaging (McMahan et al. 2017)",
         params=FedAvgParams,
         build=_fedavg,
+    ),
+    WorkflowType(
+        name="fedavgm",
+        summary="FedAvg with server momentum (Hsu et al. 2019)",
+        params=FedAvgMParams,
+        build=_optimized,
+    ),
+    WorkflowType(
+        name="fedadam",
+        summary="FedAvg rounds, Adam server optimizer (Reddi et al. 2021)",
+        params=FedAdamParams,
+        build=_optimized,
+    ),
+    WorkflowType(
+        name="fedyogi",
+        summary="FedAvg rounds, Yogi server optimizer (Reddi et al. 2021)",
+        params=FedYogiParams,
+        build=_optimized,
+    ),
+    WorkflowType(
+        name="fedadagrad",
+        summary="FedAvg rounds, Adagrad server optimizer (Reddi et al. 2021)",
+        params=FedAdagradParams,
+        build=_optimized,
+    ),
+    WorkflowType(
+        name="fedmedian",
+        summary="rounds aggregated by the coordinate-wise median (Yin et al. 2018)",
+        params=FedMedianParams,
+        build=_robust,
+    ),
+    WorkflowType(
+        name="fedtrimmedavg",
+        summary="rounds aggregated by the coordinate-wise trimmed mean (Yin et al. 2018)",
+        params=FedTrimmedAvgParams,
+        build=_robust,
+    ),
+    WorkflowType(
+        name="krum",
+        summary="rounds aggregated by Krum or Multi-Krum (Blanchard et al. 2017)",
+        params=KrumParams,
+        build=_robust,
     ),
 )
 
