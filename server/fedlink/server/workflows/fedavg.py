@@ -145,6 +145,14 @@ class FedAvgParams(WorkflowParams):
         per_round = self.round_timeout_s * (self.max_round_retries + 1) * (2 if self.evaluate else 1)
         return self.num_rounds * per_round
 
+    def round_rule(self) -> RoundRule:
+        """How a round's updates become its aggregate: the weighted mean, folded as they arrive."""
+        return streaming_mean
+
+    def server_step(self) -> ServerStep:
+        """How the aggregate becomes the next model: added to it."""
+        return AddAggregate()
+
     def sample_size(self, eligible: int) -> int:
         """How many devices to sample from ``eligible`` ones."""
         if self.devices_per_round:
@@ -245,23 +253,22 @@ def streaming_mean(model: LazyModel) -> RoundUpdates:
 class FedAvg:
     """The FedAvg workflow, and the round driver of every strategy built on its rounds.
 
-    ``rule`` says how a round's updates become its aggregate (the streaming weighted mean, or a robust
-    rule), ``server_step`` how the aggregate becomes the next model (added, or a server optimizer's
-    step, whose state is checkpointed with the model).
+    The parameters say how a round's updates become its aggregate (:meth:`FedAvgParams.round_rule`:
+    the streaming weighted mean, or a robust rule) and how the aggregate becomes the next model
+    (:meth:`FedAvgParams.server_step`: added, or a server optimizer's step, whose state is checkpointed
+    with the model).
     """
 
     def __init__(
         self,
         params: FedAvgParams,
         *,
-        rule: RoundRule = streaming_mean,
-        server_step: ServerStep | None = None,
         poll_seconds: float = 1.0,
         min_check_seconds: float | None = None,
     ) -> None:
         self.params = params
-        self._rule = rule
-        self._server = server_step if server_step is not None else AddAggregate()
+        self._rule = params.round_rule()
+        self._server = params.server_step()
         #: The open round's updates, while its train tasks are out.
         self._open: RoundUpdates | None = None
         self._poll = poll_seconds

@@ -23,7 +23,7 @@ from fedlink.server.workflows.base import Workflow
 from fedlink.server.workflows.custom import check_allowed, load_factory
 from fedlink.server.workflows.fedavg import FedAvg, FedAvgParams
 from fedlink.server.workflows.params import WorkflowParams
-from fedlink.server.workflows.robust import FedMedianParams, FedTrimmedAvgParams, KrumParams, RobustParams
+from fedlink.server.workflows.robust import FedMedianParams, FedTrimmedAvgParams, KrumParams
 from fedlink.server.workflows.strategies import FedAdagradParams, FedAdamParams, FedAvgMParams, FedYogiParams
 
 P = TypeVar("P", bound=WorkflowParams)
@@ -68,27 +68,9 @@ class WorkflowType(Generic[P]):
     build: Callable[[P, DriverOptions], Workflow]
 
 
-def _rounds(params: FedAvgParams, options: DriverOptions, **parts: Any) -> Workflow:
-    return FedAvg(
-        params,
-        poll_seconds=options.poll_seconds,
-        min_check_seconds=options.round_check_seconds,
-        **parts,
-    )
-
-
-def _fedavg(params: FedAvgParams, options: DriverOptions) -> Workflow:
-    return _rounds(params, options)
-
-
-def _optimized(
-    params: FedAvgMParams | FedAdamParams | FedYogiParams | FedAdagradParams, options: DriverOptions
-) -> Workflow:
-    return _rounds(params, options, server_step=params.server_step())
-
-
-def _robust(params: RobustParams, options: DriverOptions) -> Workflow:
-    return _rounds(params, options, rule=params.round_rule())
+def _rounds(params: FedAvgParams, options: DriverOptions) -> Workflow:
+    """The driver of every round-based workflow: its parameters pick the round rule and server step."""
+    return FedAvg(params, poll_seconds=options.poll_seconds, min_check_seconds=options.round_check_seconds)
 
 
 _TYPES: tuple[WorkflowType[Any], ...] = (
@@ -96,49 +78,49 @@ _TYPES: tuple[WorkflowType[Any], ...] = (
         name="fedavg",
         summary="synchronous rounds of sampled devices, weighted averaging (McMahan et al. 2017)",
         params=FedAvgParams,
-        build=_fedavg,
+        build=_rounds,
     ),
     WorkflowType(
         name="fedavgm",
         summary="FedAvg with server momentum (Hsu et al. 2019)",
         params=FedAvgMParams,
-        build=_optimized,
+        build=_rounds,
     ),
     WorkflowType(
         name="fedadam",
         summary="FedAvg rounds, Adam server optimizer (Reddi et al. 2021)",
         params=FedAdamParams,
-        build=_optimized,
+        build=_rounds,
     ),
     WorkflowType(
         name="fedyogi",
         summary="FedAvg rounds, Yogi server optimizer (Reddi et al. 2021)",
         params=FedYogiParams,
-        build=_optimized,
+        build=_rounds,
     ),
     WorkflowType(
         name="fedadagrad",
         summary="FedAvg rounds, Adagrad server optimizer (Reddi et al. 2021)",
         params=FedAdagradParams,
-        build=_optimized,
+        build=_rounds,
     ),
     WorkflowType(
         name="fedmedian",
         summary="rounds aggregated by the coordinate-wise median (Yin et al. 2018)",
         params=FedMedianParams,
-        build=_robust,
+        build=_rounds,
     ),
     WorkflowType(
         name="fedtrimmedavg",
         summary="rounds aggregated by the coordinate-wise trimmed mean (Yin et al. 2018)",
         params=FedTrimmedAvgParams,
-        build=_robust,
+        build=_rounds,
     ),
     WorkflowType(
         name="krum",
         summary="rounds aggregated by Krum or Multi-Krum (Blanchard et al. 2017)",
         params=KrumParams,
-        build=_robust,
+        build=_rounds,
     ),
 )
 
