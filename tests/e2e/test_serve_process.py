@@ -1,11 +1,13 @@
-"""`fedlink serve` as its own process: a FedAvg job driven by stub-only devices is bit-exact, and a
-coordinator SIGKILLed in the middle of a round resumes it with every acknowledged result counted once.
+"""`fedlink serve` as its own process: a FedAvg job driven by stub-only devices is bit-exact, a
+coordinator SIGKILLed in the middle of a round resumes it with every acknowledged result counted once
+(and FedAdam's moments with it), and a coordinator whose job supervisor cannot recover says so and exits.
 """
 
 from __future__ import annotations
 
 import hashlib
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -16,6 +18,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedlink.v1 import control_service_pb2 as cpb
 from fedlink.v1 import control_service_pb2_grpc as cgrpc
@@ -45,10 +48,10 @@ class Serve:
             fedlink = str(Path(sys.executable).parent / "fedlink")
             subprocess.run([fedlink, "db", "upgrade", "--db", self.db_url], check=True, capture_output=True)
 
-    def start(self) -> None:
+    def start(self, *extra: str) -> None:
         fedlink = str(Path(sys.executable).parent / "fedlink")
         args = [fedlink, "serve", "--data-dir", str(self.data_dir), "--listen-address", "127.0.0.1:0"]
-        args += ["--insecure", "--open-enrolment", "--reaper-interval", "200ms"]
+        args += ["--insecure", "--open-enrolment", "--reaper-interval", "200ms", *extra]
         if self.db_url:
             args += ["--db-url", self.db_url]
         self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -164,7 +167,14 @@ def expected_model(
     return model
 
 
-def submit(serve: Serve, initial: dict[str, np.ndarray], rounds: int) -> str:
+def submit(
+    serve: Serve,
+    initial: dict[str, np.ndarray],
+    rounds: int,
+    *,
+    fedadam: bool = False,
+    request_id: str = "submit-1",
+) -> str:
     control = cgrpc.ControlServiceStub(grpc.insecure_channel(serve.address))
     data = weights_dxo(initial).SerializeToString(deterministic=True)
     sha = hashlib.sha256(data).hexdigest()
@@ -172,10 +182,13 @@ def submit(serve: Serve, initial: dict[str, np.ndarray], rounds: int) -> str:
     parts = iter([cpb.UploadModelRequest(header=header), cpb.UploadModelRequest(chunk=data)])
     control.UploadModel(parts, metadata=serve.admin)
     spec = cpb.JobSpec(name="kill-test", initial_model=dxo_pb2.BlobRef(sha256=sha))
-    spec.fedavg.num_rounds = rounds
-    spec.fedavg.round_timeout.FromSeconds(120)
+    rounds_config = spec.fedadam.rounds if fedadam else spec.fedavg
+    rounds_config.num_rounds = rounds
+    rounds_config.round_timeout.FromSeconds(120)
+    if fedadam:
+        spec.fedadam.server_learning_rate = 0.3
     job: str = control.SubmitJob(
-        cpb.SubmitJobRequest(spec=spec, request_id="submit-1"), metadata=serve.admin
+        cpb.SubmitJobRequest(spec=spec, request_id=request_id), metadata=serve.admin
     ).job.job_id
     return job
 
@@ -255,3 +268,76 @@ def test_sigkill_mid_round_counts_every_acknowledged_result_once(serve: Serve) -
         assert len(device.tasks) == 2 and len(set(device.tasks)) == 2
         assert device.next_task(serve.address, job_id).status == rpb.RUNNER_STATUS_DONE
     assert serve.stop() == 0
+
+
+def _round(serve: Serve, devices: list[Device], job_id: str, round_no: int, tag: str) -> None:
+    for device in devices:
+        task = device.next_task(serve.address, job_id)
+        assert task.status == rpb.RUNNER_STATUS_OK
+        reply = device.report(serve.address, job_id, task, round_no, f"{tag}-r{round_no}-{device.index}")
+        assert reply.status == rpb.RUNNER_STATUS_OK
+
+
+def test_fedadam_killed_mid_run_resumes_its_moments_bit_identically(serve: Serve) -> None:
+    """FedAdam's moments are checkpointed with the model: a coordinator SIGKILLed in round 2 and
+    restarted ends with the model an uninterrupted run of the same job makes, to the bit."""
+    initial = {name: np.full(shape, 0.5, np.float32) for name, shape in SHAPES.items()}
+    serve.migrate()
+    serve.start()
+    devices = [Device(i) for i in range(3)]
+    for device in devices:
+        device.enroll(serve.address)
+
+    killed = submit(serve, initial, rounds=3, fedadam=True, request_id="killed")
+    _round(serve, devices, killed, 1, "killed")  # round 1 closes: a checkpoint with m and v
+    tasks = {d.index: d.next_task(serve.address, killed) for d in devices}
+    for device in devices[:2]:
+        reply = device.report(serve.address, killed, tasks[device.index], 2, f"killed-r2-{device.index}")
+        assert reply.status == rpb.RUNNER_STATUS_OK
+    serve.kill()
+    serve.start()
+    reply = devices[2].report(serve.address, killed, tasks[2], 2, "killed-r2-2")
+    assert reply.status == rpb.RUNNER_STATUS_OK
+    _round(serve, devices, killed, 3, "killed")
+    state, resumed = final_model(serve, killed)
+    assert state == states_pb2.JOB_STATE_FINISHED
+
+    # The same job again, on the same devices (the same canonical order), never interrupted.
+    whole = submit(serve, initial, rounds=3, fedadam=True, request_id="whole")
+    for round_no in (1, 2, 3):
+        _round(serve, devices, whole, round_no, "whole")
+    state, uninterrupted = final_model(serve, whole)
+    assert state == states_pb2.JOB_STATE_FINISHED
+    for name, value in uninterrupted.items():
+        assert resumed[name].tobytes() == value.tobytes(), f"{name}: the resumed run's moments differed"
+    # The moments matter: FedAdam's model is not FedAvg's.
+    fedavg = expected_model(initial, devices, rounds=3)
+    assert any(resumed[name].tobytes() != fedavg[name].tobytes() for name in fedavg)
+    assert serve.stop() == 0
+
+
+def test_serve_exits_3_with_health_not_serving_when_a_loop_cannot_recover(tmp_path: Path) -> None:
+    serve = Serve(tmp_path / "data", None)
+    serve.start("--loop-failure-timeout", "1s", "--shutdown-grace", "1s")
+    try:
+        with grpc.insecure_channel(serve.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            assert (
+                health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+            )
+            watch = health.Watch(health_pb2.HealthCheckRequest(), timeout=60)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            # The job supervisor's table disappears for good (a botched manual migration).
+            with sqlite3.connect(serve.data_dir / "fedlink.db", timeout=10) as db:
+                db.execute("ALTER TABLE jobs RENAME TO jobs_away")
+            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert serve.process is not None and serve.process.stdout is not None
+        code = serve.process.wait(timeout=60)
+        output = serve.process.stdout.read()
+        assert code == 3, output
+        assert "background loop 'job-supervisor' failed" in output
+        assert "no such table: jobs" in output
+    finally:
+        if serve.process is not None and serve.process.poll() is None:
+            serve.process.kill()
+        serve.stop()

@@ -12,7 +12,6 @@ import asyncio
 import logging
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
 
@@ -33,7 +32,6 @@ from fedlink.server.credentials import (
 )
 from fedlink.server.domain import Clock, SystemClock
 from fedlink.server.protocol.device import DeviceProtocol
-from fedlink.server.services.metrics import MetricsCollector
 from fedlink.server.settings import CoordinatorSettings
 from fedlink.server.store.sql import SqlStateStore
 from fedlink.server.telemetry import MetricsServer, Telemetry
@@ -106,7 +104,9 @@ class Coordinator:
         self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self._closed = asyncio.Event()
         self._metrics_server: MetricsServer | None = None
-        self._collector: asyncio.Task[None] | None = None
+        self._failing: asyncio.Task[None] | None = None
+        #: Why the coordinator stopped by itself (its background loops gave up), if it did.
+        self.failure: BaseException | None = None
         self.telemetry = Telemetry()
         self.endpoint: Endpoint | None = None
         self.admin_token = ""
@@ -135,7 +135,9 @@ class Coordinator:
             clock=self._clock,
             join_secret=resolve_join_secret(s),
             on_result_outcome=self.telemetry.count_result,
+            telemetry=self.telemetry if s.metrics_address else None,
         )
+        core.on_failure.append(self._loops_failed)
         self.core = core
         self._stack.push_async_callback(core.stop)
         await core.start()
@@ -206,10 +208,20 @@ class Coordinator:
         self.endpoint = Endpoint(address=f"{host}:{port}", port=port, ca_cert=ca_cert, insecure=s.insecure)
         if s.metrics_address:
             self._metrics_server = self.telemetry.start_http_server(s.metrics_address)
-            collector = MetricsCollector(store, self.telemetry, interval=timedelta(seconds=5))
-            self._collector = asyncio.create_task(collector.serve(), name="metrics")
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        if core.failure is None:  # the loops may have given up already (a store that fails at once)
+            await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("coordinator listening", extra={"address": self.endpoint.address})
+
+    def _loops_failed(self, exc: BaseException) -> None:
+        """The background loops gave up: no job is driven any more. NOT_SERVING, then stop."""
+        self.failure = exc
+        if self._failing is None:
+            self._failing = asyncio.get_running_loop().create_task(self._stop_on_failure(), name="fail-stop")
+
+    async def _stop_on_failure(self) -> None:
+        if self._server is not None:
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.stop()
 
     @property
     def metrics_url(self) -> str | None:
@@ -237,9 +249,6 @@ class Coordinator:
                 if self.device_protocol is not None:
                     self.device_protocol.stop_accepting()
                 await self._server.stop(grace_s)
-            if self._collector is not None:
-                self._collector.cancel()
-                await asyncio.gather(self._collector, return_exceptions=True)
             if self._metrics_server is not None:
                 self._metrics_server.stop()
             await self._stack.aclose()

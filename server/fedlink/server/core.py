@@ -10,10 +10,12 @@ import asyncio
 import functools
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import socket
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
 
@@ -26,11 +28,16 @@ from fedlink.server.protocol.cookies import CookieSigner
 from fedlink.server.protocol.device import DeviceProtocol, DeviceProtocolConfig, ResultListener
 from fedlink.server.protocol.events import JobEvents
 from fedlink.server.protocol.results import ModelTaskValidator
+from fedlink.server.services.loops import BackgroundLoops, LoopPolicy
 from fedlink.server.services.maintenance import Maintenance
+from fedlink.server.services.metrics import MetricsCollector
 from fedlink.server.services.supervisor import JobSupervisor
 from fedlink.server.settings import CoordinatorSettings
 from fedlink.server.store.sql import SqlStateStore, create_store
+from fedlink.server.telemetry import Telemetry
 from fedlink.server.workflows.registry import DriverOptions, WorkflowLimits, Workflows
+
+log = logging.getLogger(__name__)
 
 #: Largest model (initial or uploaded blob) the coordinator accepts.
 MAX_MODEL_BYTES = 2 * 1024**3
@@ -92,6 +99,7 @@ class CoordinatorCore:
         round_check_seconds: float | None = None,
         on_result_outcome: Callable[[str], None] | None = None,
         keep_folded_payloads: bool = True,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.settings = settings
         self.clock: Clock = clock or SystemClock()
@@ -108,6 +116,13 @@ class CoordinatorCore:
         self.known_tasks = KnownTasks()
         #: Called with a device id when an operator revokes it (e.g. to evict credential caches).
         self.on_device_revoked: list[Callable[[str], None]] = []
+        #: Called with the error when the background loops stop on a failure (the coordinator then
+        #: drives no job: its owner should stop it).
+        self.on_failure: list[Callable[[BaseException], None]] = []
+        #: Why the background loops stopped, if they did.
+        self.failure: BaseException | None = None
+        self._failed = asyncio.Event()
+        self._telemetry = telemetry
 
     @property
     def store(self) -> SqlStateStore:
@@ -208,10 +223,32 @@ class CoordinatorCore:
             interval=s.reaper_interval,
             offline_after=s.device_offline_after,
         )
-        self._tasks = [
-            asyncio.create_task(supervisor.serve(), name="job-supervisor"),
-            asyncio.create_task(maintenance.serve(), name="maintenance"),
-        ]
+        loops = BackgroundLoops(LoopPolicy(give_up_after=s.loop_failure_timeout))
+        loops.add(supervisor.loop())
+        loops.add(maintenance.loop())
+        if self._telemetry is not None:
+            loops.add(MetricsCollector(store, self._telemetry, interval=timedelta(seconds=5)).loop())
+        self.loops = loops
+        self._tasks = [asyncio.create_task(self._run_loops(loops), name="background-loops")]
+
+    async def _run_loops(self, loops: BackgroundLoops) -> None:
+        """Runs the loops; if one gives up, records why and tells :attr:`on_failure`'s callbacks."""
+        try:
+            await loops.run()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            log.critical("the coordinator's background loops stopped: %s", exc, exc_info=exc)
+            self.failure = exc
+            self._failed.set()
+            for callback in self.on_failure:
+                callback(exc)
+
+    async def wait_failed(self) -> BaseException:
+        """Returns (the error) once the background loops stopped on a failure; never otherwise."""
+        await self._failed.wait()
+        assert self.failure is not None
+        return self.failure
 
     def _device_revoked(self, device_id: str) -> None:
         for listener in self.on_device_revoked:

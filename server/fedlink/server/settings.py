@@ -133,6 +133,10 @@ class CoordinatorSettings:
     reaper_interval: timedelta = timedelta(seconds=1)
     """How often expired leases, closed deadlines and offline devices are swept."""
 
+    loop_failure_timeout: timedelta = timedelta(minutes=2)
+    """How long a background loop (job supervisor, maintenance, metrics) may keep failing, retried with
+    backoff, before the coordinator gives up: health turns NOT_SERVING and ``fedlink serve`` exits 3."""
+
     keep_checkpoints: int = 3
     """Round checkpoints kept per run besides the final model, unless a job says otherwise."""
 
@@ -212,6 +216,8 @@ def _validate_limits(s: CoordinatorSettings) -> None:
             raise InvalidArgument(f"{name} must not be negative")
     if s.reaper_interval <= timedelta(0):
         raise InvalidArgument("reaper_interval must be positive")
+    if s.loop_failure_timeout <= timedelta(0):
+        raise InvalidArgument("loop_failure_timeout must be positive")
     if s.default_task_wait > s.max_task_wait:
         raise InvalidArgument(
             f"default_task_wait ({s.default_task_wait}) must not exceed max_task_wait ({s.max_task_wait})"

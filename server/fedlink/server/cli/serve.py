@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 #: Extra, shorter spellings of some settings' flags (the issue's names).
 ALIASES: Final[dict[str, tuple[str, ...]]] = {"db_url": ("--db",)}
 EXIT_START_FAILED: Final = 1
+#: The coordinator stopped by itself: a background loop did not recover (see loop_failure_timeout).
+EXIT_SERVE_FAILED: Final = 3
 
 
 def _flag(name: str) -> str:
@@ -155,6 +157,12 @@ def _announce(settings: CoordinatorSettings, address: str, ca_cert: Path | None)
         click.echo(line)
 
 
+class ServeFailed(CommandError):
+    """The coordinator stopped by itself: a background loop could not recover (exit 3)."""
+
+    exit_code = EXIT_SERVE_FAILED
+
+
 class StartFailed(CommandError):
     """The coordinator could not start (address in use, database unreachable, ...): exit 1."""
 
@@ -196,6 +204,8 @@ async def run_coordinator(settings: CoordinatorSettings) -> None:
     with GC_CONTROL.quiet():
         GC_CONTROL.settle()  # what serving needs is loaded now: later collections skip it
         await _serve_until_stopped(settings, coordinator)
+    if coordinator.failure is not None:
+        raise ServeFailed(f"the coordinator stopped: {coordinator.failure}")
 
 
 async def _serve_until_stopped(settings: CoordinatorSettings, coordinator: Coordinator) -> None:
@@ -251,7 +261,9 @@ serve_command = click.Command(
         "Run the coordinator: the device and control gRPC services, health, reflection and metrics.\n\n"
         "Settings come from defaults < --config TOML < FEDLINK_* environment < flags. With no flags it "
         "serves TLS with a self-signed CA on 127.0.0.1:8443 and keeps everything in the data directory. "
-        "SIGTERM or SIGINT stops it gracefully (exit 0)."
+        "SIGTERM or SIGINT stops it gracefully (exit 0). If a background loop (the job supervisor, "
+        "maintenance, metrics) keeps failing past loop_failure_timeout, health turns NOT_SERVING and it "
+        "stops with exit 3."
     ),
     short_help="Run the coordinator.",
     context_settings={"max_content_width": 110},

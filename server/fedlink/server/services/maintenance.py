@@ -9,13 +9,15 @@ from datetime import timedelta
 
 from fedlink.server.coordination.notify import TaskNotifier
 from fedlink.server.domain import Clock
+from fedlink.server.services.loops import Loop
 from fedlink.server.store import StateStore
 
 log = logging.getLogger(__name__)
 
 
 class Maintenance:
-    """Runs the coordinator's upkeep loops; each survives a failing store call and tries again."""
+    """The coordinator's upkeep (its loop is run by :class:`~fedlink.server.services.loops.BackgroundLoops`,
+    which retries a failing tick)."""
 
     def __init__(
         self,
@@ -35,19 +37,18 @@ class Maintenance:
         self._on_run_progress = on_run_progress
         self._interval = interval.total_seconds()
         self._offline_after = offline_after
+        self._ticks = 0
 
-    async def serve(self) -> None:
-        """Runs until cancelled."""
-        ticks = 0
-        while True:
-            try:
-                await self.tick(mark_offline=ticks % 10 == 0)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("maintenance tick failed; retrying")
-            ticks += 1
-            await asyncio.sleep(self._interval)
+    def loop(self) -> Loop:
+        """Upkeep as a background loop: a tick every ``interval`` (offline devices every tenth)."""
+        return Loop(name="maintenance", step=self._step, pause=self._pause)
+
+    async def _step(self) -> None:
+        await self.tick(mark_offline=self._ticks % 10 == 0)
+        self._ticks += 1
+
+    async def _pause(self) -> None:
+        await asyncio.sleep(self._interval)
 
     async def tick(self, *, mark_offline: bool = True) -> None:
         """One round of upkeep."""

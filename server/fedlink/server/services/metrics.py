@@ -8,6 +8,7 @@ from datetime import timedelta
 
 from fedlink.common.errors import NotFound
 from fedlink.server.domain import TRAIN_TASK, JobState
+from fedlink.server.services.loops import Loop
 from fedlink.server.store import StateStore, all_items
 from fedlink.server.telemetry import Telemetry
 
@@ -27,16 +28,12 @@ class MetricsCollector:
         self._interval = interval.total_seconds()
         self._running: set[str] = set()
 
-    async def serve(self) -> None:
-        """Refreshes until cancelled; a failed refresh is logged and retried."""
-        while True:
-            try:
-                await self.refresh()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("refreshing metrics failed; retrying")
-            await asyncio.sleep(self._interval)
+    def loop(self) -> Loop:
+        """The gauges' refresh as a background loop, every ``interval``."""
+        return Loop(name="metrics", step=self.refresh, pause=self._pause)
+
+    async def _pause(self) -> None:
+        await asyncio.sleep(self._interval)
 
     async def refresh(self) -> None:
         """One refresh of every domain gauge."""

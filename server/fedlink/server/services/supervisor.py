@@ -17,7 +17,8 @@ from fedlink.server.coordination.notify import TaskNotifier
 from fedlink.server.coordination.progress import Progress, UpdateSink
 from fedlink.server.domain import Clock, Job, JobState, Run, RunLeaseHeld, RunState, is_final
 from fedlink.server.protocol.events import JobEvents
-from fedlink.server.store import StateStore, all_items
+from fedlink.server.services.loops import Loop
+from fedlink.server.store import StateStore, all_items, is_store_outage
 from fedlink.server.workflows.base import WorkflowContext
 from fedlink.server.workflows.registry import Workflows
 
@@ -72,24 +73,27 @@ class JobSupervisor:
         progress = self._progress.get(job_id)
         return None if progress is None else progress.sink
 
-    async def serve(self) -> None:
-        """Scans for live jobs and keeps their drivers running until cancelled."""
-        try:
-            while True:
-                await self._scan()
-                try:
-                    async with asyncio.timeout(self._scan_seconds):
-                        await self._wake.wait()
-                except TimeoutError:
-                    pass
-                self._wake.clear()
-        finally:
-            drivers = list(self._drivers.values())
-            for task in drivers:
-                task.cancel()
-            await asyncio.gather(*drivers, return_exceptions=True)
+    def loop(self) -> Loop:
+        """The supervisor as a background loop: scan, wait for a poke or ``scan_seconds``, again."""
+        return Loop(name="job-supervisor", step=self.scan, pause=self._pause, close=self.close)
 
-    async def _scan(self) -> None:
+    async def _pause(self) -> None:
+        try:
+            async with asyncio.timeout(self._scan_seconds):
+                await self._wake.wait()
+        except TimeoutError:
+            pass
+        self._wake.clear()
+
+    async def close(self) -> None:
+        """Cancels every driver and waits for them (the loop's end)."""
+        drivers = list(self._drivers.values())
+        for task in drivers:
+            task.cancel()
+        await asyncio.gather(*drivers, return_exceptions=True)
+
+    async def scan(self) -> None:
+        """Starts a driver for every live job without one, and stops the drivers of final jobs."""
         for state in (JobState.RUNNING, JobState.PENDING):
             for job in await self._jobs_in(state):
                 if job.job_id not in self._drivers:
@@ -98,6 +102,9 @@ class JobSupervisor:
             if task.done():
                 del self._drivers[job_id]
                 self._progress.pop(job_id, None)
+                if not task.cancelled() and task.exception() is not None:
+                    # Its job is still live (a final one would not be scanned): a new driver takes over.
+                    log.error("driver of job %s ended with an error", job_id, exc_info=task.exception())
                 continue
             job = await self._store.get_job(job_id)
             if is_final(job.state):  # aborted by an operator (possibly on another replica)
@@ -117,6 +124,11 @@ class JobSupervisor:
             run = await self._acquire_run(job)
         except RunLeaseHeld:
             return  # another coordinator drives it
+        except Exception as exc:
+            if not is_store_outage(exc):
+                raise
+            log.warning("cannot take up job %s now: %s", job.job_id, exc, extra={"job_id": job.job_id})
+            return
         renewer = asyncio.create_task(self._renew(run))
         try:
             if job.state is JobState.PENDING:
@@ -142,6 +154,16 @@ class JobSupervisor:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            if is_store_outage(exc):
+                # The database failed the driver, not the job: the next scan starts a driver again, which
+                # resumes the run from its last checkpoint (and the scan's own retries cover an outage).
+                log.warning(
+                    "driver of job %s stopped by a store outage; it resumes at the next scan: %s",
+                    job.job_id,
+                    exc,
+                    extra={"job_id": job.job_id},
+                )
+                return
             message = exc.message if isinstance(exc, FedlinkError) else f"{type(exc).__name__}: {exc}"
             if not isinstance(exc, FedlinkError):
                 log.exception("workflow of job %s failed", job.job_id)
@@ -172,6 +194,11 @@ class JobSupervisor:
     async def _renew(self, run: Run) -> None:
         while True:
             await asyncio.sleep(self._run_lease.total_seconds() / 3)
-            await self._store.acquire_run_lease(
-                run.run_id, owner=self._owner, now=self._clock.now(), lease=self._run_lease
-            )
+            try:
+                await self._store.acquire_run_lease(
+                    run.run_id, owner=self._owner, now=self._clock.now(), lease=self._run_lease
+                )
+            except Exception as exc:  # tried again in a third of the lease; two misses are still in time
+                log.warning(
+                    "renewing the lease of run %s failed: %s", run.run_id, exc, extra={"run_id": run.run_id}
+                )

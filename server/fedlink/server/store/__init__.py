@@ -5,6 +5,7 @@
 """
 
 from fedlink.server.store.blobs import SqlBlobStore
+from fedlink.server.store.dialect import is_store_outage
 from fedlink.server.store.migrate import current_revision, downgrade, head_revision, upgrade
 from fedlink.server.store.protocol import (
     CHUNK_SIZE,
@@ -39,6 +40,7 @@ __all__ = [
     "current_revision",
     "downgrade",
     "head_revision",
+    "is_store_outage",
     "open_store",
     "upgrade",
 ]

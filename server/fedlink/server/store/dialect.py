@@ -214,6 +214,19 @@ class Database:
         await self.engine.dispose()
 
 
+def is_store_outage(exc: BaseException) -> bool:
+    """True for an error that says the database could not be reached or used just now (a dropped or
+    refused connection, a locked or missing table, a busy database) rather than that the request was
+    wrong: trying again later may succeed."""
+    if isinstance(exc, Unavailable | OSError | ConnectionError):
+        return True
+    if isinstance(exc, sa.exc.DBAPIError):
+        return bool(exc.connection_invalidated) or isinstance(
+            exc, sa.exc.OperationalError | sa.exc.InterfaceError
+        )
+    return False
+
+
 def _in_transaction(engine: sa.Engine, work: Callable[[sa.Connection], T]) -> T:
     """Run ``work`` in a transaction of ``engine``; a locked database is Unavailable, as in write()."""
     try:
