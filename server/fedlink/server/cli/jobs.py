@@ -30,10 +30,10 @@ from fedlink.server.cli.client import (
     fail,
     format_option,
 )
-from fedlink.server.cli.jobfile import CUSTOM_SECTION, load_job_file
+from fedlink.server.cli.jobfile import load_job_file
 from fedlink.server.domain import WorkflowSpec
 from fedlink.server.workflows import registry
-from fedlink.server.workflows.wire import spec_from_wire
+from fedlink.server.workflows.wire import CUSTOM, spec_from_wire
 from fedlink.v1 import control_service_pb2 as cpb
 from fedlink.v1 import states_pb2
 
@@ -165,11 +165,11 @@ def _workflow_of(job: cpb.Job) -> WorkflowSpec | None:
 
 
 def _workflow_section(spec: WorkflowSpec | None) -> tuple[str, dict[str, object]]:
-    """The job file's section for a workflow (``fedavg``, ..., or ``workflow``) and what goes in it."""
+    """The key of a job's parameters (the wire oneof's: ``fedavg``, ..., ``custom``) and the parameters."""
     if spec is None:
-        return CUSTOM_SECTION, {"name": "(unknown to this fedlink)"}
+        return CUSTOM, {"name": "(unknown to this fedlink)"}
     if spec.is_import_path:
-        return CUSTOM_SECTION, {"name": spec.name, "config": dict(spec.config)}
+        return CUSTOM, {"name": spec.name, "config": dict(spec.config)}
     return spec.name, registry.describe(spec)
 
 
