@@ -25,7 +25,14 @@ from .conftest import Cli, CoordinatorThread, CuttingProxy, StubDevice
 INITIAL = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(3, np.float32)}
 
 
-def write_job(folder: Path, *, rounds: int = 2, extra_fedavg: str = "", model: str = "initial.npz") -> Path:
+def write_job(
+    folder: Path,
+    *,
+    rounds: int = 2,
+    extra_fedavg: str = "",
+    model: str = "initial.npz",
+    section: str = "fedavg",
+) -> Path:
     """A TOML job file beside an .npz initial model."""
     np.savez(folder / "initial.npz", w=INITIAL["w"], b=INITIAL["b"])
     path = folder / "job.toml"
@@ -35,7 +42,7 @@ name = "digits"
 model = "{model}"
 device_selector = {{ platform = "test" }}
 
-[fedavg]
+[{section}]
 num_rounds = {rounds}
 min_results = 2
 min_devices = 2
@@ -94,6 +101,35 @@ def test_submit_then_list_and_show_describe_the_job(cli: Cli, tmp_path: Path) ->
     # Round 1 is in progress once the job runs (it waits for its devices); none before.
     assert "round:    1 of 2 (0 completed)" in text.stdout or "round:    0 of 2 (0 completed)" in text.stdout
     assert "workflow: fedavg (synchronous rounds" in text.stdout
+
+
+STRATEGY_KEYS = {
+    "fedavg": "",
+    "fedavgm": "server_momentum = 0.9",
+    "fedadam": "server_learning_rate = 0.05\nbias_correction = false",
+    "fedyogi": "beta_2 = 0.9",
+    "fedadagrad": "tau = 0.01",
+    "fedmedian": "devices_per_round = 2",
+    "fedtrimmedavg": "devices_per_round = 3\nbeta = 0.3",
+    "krum": "devices_per_round = 3\nnum_malicious = 1",
+}
+
+
+@pytest.mark.parametrize("section", sorted(STRATEGY_KEYS))
+def test_each_strategy_is_submitted_from_its_job_file_section_and_shown(
+    cli: Cli, tmp_path: Path, section: str
+) -> None:
+    job_id = submit(cli, write_job(tmp_path, section=section, extra_fedavg=STRATEGY_KEYS[section]))
+    job = json.loads(cli("job", "show", job_id, "--format", "json").stdout)
+    assert job["workflow"] == section
+    assert job[section]["num_rounds"] == 2 and job[section]["seed"] == 3
+    for line in filter(None, STRATEGY_KEYS[section].split("\n")):
+        key, value = (part.strip() for part in line.split("="))
+        assert job[section][key] == json.loads(value), key
+    text = cli("job", "show", job_id).stdout
+    assert f"workflow: {section} (" in text
+    assert f"{section + ':':<10}num_rounds=2" in text
+    cli("job", "abort", job_id)
 
 
 def test_list_filters_by_state_and_limits(cli: Cli, tmp_path: Path) -> None:
