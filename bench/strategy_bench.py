@@ -23,21 +23,27 @@ checked against numpy's weighted mean.
 (b) The coordinate-wise median, the trimmed mean (beta 0.2) and Krum (``krum_f`` malicious, one
 chosen) against a plain numpy implementation of the same rule: ``np.stack`` of the updates, then
 ``np.median(axis=0)``; a sort-and-slice trimmed mean; Flower-style Krum with the distances from the
-Gram matrix and the weighted mean of the chosen. Every run is a fresh child process (multiprocessing,
-spawn) that times one round from "every update held" to "the new model made" (fedlink: the close,
-which stacks the held updates, and the server step; numpy: stack, rule, model + aggregate). Its peak
-memory is its peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss``, read right after the round) minus its
-RSS (``VmRSS``) just before the first update was made, so it counts the updates held, whatever the
-round needs besides, and the new model: the same measure on both sides. The sides alternate in every
-repeat; times are medians, peaks the largest of the repeats. The targets: fedlink no slower than numpy,
-and its peak no more than the updates held plus one model (``devices + 1`` model sizes; judged only
-for a model of at least 1 MiB, below which the interpreter's own RSS noise is larger than a model).
-Every run's aggregate and new model are checked against numpy's within float32 rounding: the bench
-stops with an error (exit 1) if one is not.
+Gram matrix and the weighted mean of the chosen. Every run is a fresh child process that makes its
+own updates and times one round from "every update held" to "the new model made" (fedlink: the close,
+which brings the round's rows in place, and the server step; numpy: stack, rule, model + aggregate).
+fedlink copies each accepted update into the round's rows as it arrives, while the round waits for the
+others; that time (each update's offer, settle and copy) is printed beside the table, not in it. The
+children are forked from a fork server that only imported the modules (multiprocessing's
+``forkserver``, not ``spawn``: a spawned child's ``ru_maxrss`` starts at this process's peak, which
+part (a) takes above a round's size). A child's peak memory is its peak RSS
+(``getrusage(RUSAGE_SELF).ru_maxrss``, read right after the round) minus its RSS (``VmRSS``) just
+before the first update was made, so it counts the updates held, whatever the round needs besides, and
+the new model: the same measure on both sides. The sides alternate in every repeat and the rules take
+turns; times are medians, peaks the largest of the repeats. The targets: fedlink no slower than numpy,
+and its peak no more than the updates held plus one model (``devices + 1`` model sizes; judged only for
+a model of at least 1 MiB, below which the interpreter's own RSS noise is larger than a model). Every
+run's aggregate and new model are checked against numpy's within float32 rounding: the bench stops
+with an error (exit 1) if one is not.
 
 When the memory is judged, each rule's fedlink side runs once more with glibc's mmap threshold fixed
-(``MALLOC_MMAP_THRESHOLD_``), so that the memory of each update freed goes back to the kernel at once:
-that figure (not judged) tells what the round holds from what the allocator keeps.
+(``mallopt(M_MMAP_THRESHOLD)``, as ``MALLOC_MMAP_THRESHOLD_`` sets it), so that the memory of each
+update freed goes back to the kernel at once: that figure (not judged) tells what the round holds from
+what the allocator keeps.
 
 ``--quick`` (what the test suite runs): 8 devices x 20,000 floats, one repeat.
 """
@@ -411,16 +417,28 @@ class _Measured:
     peak: int
     aggregate: NDArray[Any]
     model: NDArray[Any]
+    #: The seconds of the two parts of ``seconds``: fedlink's close (stacking the held updates; Krum
+    #: scores them there) and server step (the rule's blocks, into the new model); numpy's stack and
+    #: rule (with model + aggregate).
+    parts: tuple[float, float]
     max_abs_update: float | None = None
+    #: fedlink: the seconds the updates spent in the holder as they arrived (untimed in ``seconds``).
+    arrival_s: float | None = None
 
 
-async def _hand_over(holder: RoundUpdates, job: RobustJob) -> None:
+async def _hand_over(holder: RoundUpdates, job: RobustJob) -> float:
+    """Offers every update as it is made; returns the seconds spent in the holder (each update's
+    offer, settle and copy into the round's rows), not in making the updates."""
     tasks, devices = round_tasks(job.devices)
     holder.expect(tasks, devices)
+    in_holder = 0.0
     for i, task in enumerate(tasks):
         update = reported(i, job.devices, job.floats, job.krum_f)
+        start = time.perf_counter()
         await offer(holder, task, update)
+        in_holder += time.perf_counter() - start
         del update  # the holder's is the only reference
+    return in_holder
 
 
 def _fedlink_side(job: RobustJob, model: NDArray[np.float32]) -> _Measured:
@@ -430,18 +448,20 @@ def _fedlink_side(job: RobustJob, model: NDArray[np.float32]) -> _Measured:
     loop = asyncio.new_event_loop()
     try:
         before = _Baseline.now()
-        loop.run_until_complete(_hand_over(holder, job))
+        arrival = loop.run_until_complete(_hand_over(holder, job))
         held = _rss()
         start = time.perf_counter()
         loop.run_until_complete(close(holder, job.devices))
+        closed = time.perf_counter()
         new = step.apply({VARIABLE: model}, holder.aggregate(), round_no=1)[VARIABLE]
-        seconds = time.perf_counter() - start
+        end = time.perf_counter()
         peak = _max_rss()
     finally:
         loop.close()
     # Untimed, after the peak was read: the aggregate again (the rule's blocks, from the round's stacks).
     aggregate = np.concatenate([part.copy() for _, part in holder.aggregate().steps(VARIABLE)])
-    return _Measured(seconds, before, held, peak, aggregate, new)
+    parts = (closed - start, end - closed)
+    return _Measured(end - start, before, held, peak, aggregate, new, parts, arrival_s=arrival)
 
 
 def _numpy_side(job: RobustJob, model: NDArray[np.float32]) -> _Measured:
@@ -451,12 +471,14 @@ def _numpy_side(job: RobustJob, model: NDArray[np.float32]) -> _Measured:
     held = _rss()
     start = time.perf_counter()
     stack = np.stack(updates)
+    stacked = time.perf_counter()
     aggregate = NUMPY_RULES[job.rule](stack, weights, job.krum_f)
     new = (model + aggregate).astype(np.float32, copy=False)
-    seconds = time.perf_counter() - start
+    end = time.perf_counter()
     peak = _max_rss()
     max_abs = max(float(np.max(np.abs(u))) for u in updates)
-    return _Measured(seconds, before, held, peak, aggregate, new, max_abs)
+    parts = (stacked - start, end - stacked)
+    return _Measured(end - start, before, held, peak, aggregate, new, parts, max_abs_update=max_abs)
 
 
 def _fix_mmap_threshold(size: int) -> None:
@@ -477,6 +499,8 @@ def robust_child(job: RobustJob) -> dict[str, Any]:
     before = measured.before
     return {
         "seconds": measured.seconds,
+        "parts_s": list(measured.parts),
+        "arrival_s": measured.arrival_s,
         "held_bytes": measured.held - before.rss,
         "peak_bytes": measured.peak - before.rss,
         "rss_before_bytes": before.rss,
@@ -570,6 +594,10 @@ def _summary(runs: Sequence[dict[str, Any]], model_bytes: int) -> dict[str, Any]
     return {
         "seconds": _median([r["seconds"] for r in runs]),
         "seconds_runs": [r["seconds"] for r in runs],
+        # Medians of each part (fedlink: close, step; numpy: stack, rule).
+        "parts_s": [_median([r["parts_s"][i] for r in runs]) for i in range(2)],
+        # fedlink: the holder's time while the updates arrived (offer, settle, copy into the rows).
+        "arrival_s": None if runs[0]["arrival_s"] is None else _median([r["arrival_s"] for r in runs]),
         "held_mib": held / MiB,
         "held_models": held / model_bytes,
         "peak_mib": peak / MiB,
@@ -701,8 +729,8 @@ def format_robust(robust: Mapping[str, Any], devices: int, floats: int, repeats:
         f"(model {model_mib:.2f} MiB), each run a fresh child process;",
         f"    time: from every update held to the new model, median of {repeats}; peak: the child's "
         f"ru_maxrss after the round minus its VmRSS before the first update, largest of {repeats}",
-        f"{'rule':<12} {'side':<7} {'time s':>8} {'fl/np':>7} {'held MiB':>9} {'peak MiB':>9} "
-        f"{'peak models':>11} {'bound':>6}  check",
+        f"{'rule':<12} {'side':<7} {'time s':>8} {'of which':<24} {'fl/np':>6} {'held MiB':>9} "
+        f"{'peak MiB':>9} {'peak models':>11} {'bound':>6}  check",
     ]
     lines.append("-" * len(lines[-1]))
     for rule in RULES:
@@ -710,13 +738,28 @@ def format_robust(robust: Mapping[str, Any], devices: int, floats: int, repeats:
         for side in SIDES:
             figures = row[side]
             ours = side == "fedlink"
-            lines.append(
-                f"{rule:<12} {side:<7} {figures['seconds']:8.3f} "
-                f"{(format(row['time_ratio'], '6.2f') + 'x') if ours else '':>7} "
+            first, second = figures["parts_s"]
+            parts = (
+                f"close {first:.3f} + step {second:.3f}" if ours else f"stack {first:.3f} + rule {second:.3f}"
+            )
+            line = (
+                f"{rule:<12} {side:<7} {figures['seconds']:8.3f} {parts:<24} "
+                f"{(format(row['time_ratio'], '5.2f') + 'x') if ours else '':>6} "
                 f"{figures['held_mib']:9.1f} {figures['peak_mib']:9.1f} {figures['peak_models']:11.1f} "
                 f"{robust['bound_models'] if ours else '':>6}  "
                 + (f"equal (worst {row['check_worst_in_tolerance']:.2f} of the tolerance)" if ours else "")
             )
+            lines.append(line.rstrip())
+    arrivals = ", ".join(
+        f"{rule} {robust['rules'][rule]['fedlink']['arrival_s']:.3f} s"
+        for rule in RULES
+        if robust["rules"].get(rule) and robust["rules"][rule]["fedlink"].get("arrival_s") is not None
+    )
+    if arrivals:
+        lines.append(
+            f"fedlink copies each accepted update into the round's rows as it arrives (not in the times "
+            f"above; numpy's stack is): {arrivals} over the round's {devices} updates"
+        )
     lines.append(
         f"bound: the {devices} updates held plus one model = {robust['bound_models']} model sizes "
         f"({robust['bound_models'] * model_mib:.1f} MiB)"

@@ -43,7 +43,7 @@ from fedlink.server.workflows.aggregation import WeightedAverage
 #: loop: a worker thread retakes the GIL after each numpy call, and while the loop is busy each retake
 #: waits out the interpreter's switch interval (5 ms): a 1,000,000-float fold took 20-40 ms that way
 #: against 2-3 ms on the loop.
-_THREAD_ELEMENTS = 1 << 24
+THREAD_ELEMENTS = 1 << 24
 
 #: Canonical place of a result: (its task's creation time, its device id).
 OrderKey = tuple[datetime, str]
@@ -224,7 +224,7 @@ class RoundFold:
         minus = None  # WEIGHTS fold as their difference to the model (no await once it is loaded)
         if update.kind is DataKind.WEIGHTS:
             minus = self.model.loaded if self.model.loaded is not None else await self.model.arrays()
-        if self._elements > _THREAD_ELEMENTS:
+        if self._elements > THREAD_ELEMENTS:
             await asyncio.to_thread(self._fold_now, update, minus)
         else:
             self._fold_now(update, minus)

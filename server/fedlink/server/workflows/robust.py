@@ -7,12 +7,14 @@ round's extra results are recorded, not aggregated), so it holds at most ``devic
 of the model's size, plus the round's model and the new one; a job whose ``devices_per_round`` times the
 model's size exceeds the coordinator's ``max_buffered_round_bytes`` is refused at submission.
 
-Updates are held as they are reported (an :class:`~fedlink.server.coordination.progress.UpdateSink`:
-no payload is read back at the close unless another replica or an earlier process recorded it), then
-at the close copied, as differences to the round's model in the model's dtype, into one array per
-variable (``results × elements``) and the held copies dropped: the close's peak is that array plus a
-model and a step's float64 scratch. The aggregate is computed a block of coordinates at a time in
-float64 (:meth:`RobustAggregate.steps`).
+Each accepted update is copied, as it arrives, into the round's rows: one array per variable of
+``devices_per_round`` rows (allocated zeroed on first use, so rows no update reached take no memory),
+as its difference to the round's model in the model's dtype; the decoded update is then dropped (an
+:class:`~fedlink.server.coordination.progress.UpdateSink`: no payload is read back at the close
+unless another replica or an earlier process recorded it). So a round holds its rows, plus the
+updates still being copied; at the close the rows are brought into place (moved within the arrays)
+and the aggregate is computed a block of coordinates at a time in float64 (2 MiB of scratch:
+:meth:`RobustAggregate.steps`) into the new model.
 
 Results, as Flower 1.42 computes them (its FedMedian, FedTrimmedAvg, Krum and MultiKrum):
 
@@ -26,6 +28,7 @@ Results, as Flower 1.42 computes them (its FedMedian, FedTrimmedAvg, Krum and Mu
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,16 +40,22 @@ from numpy.typing import NDArray
 from fedlink.common.dxo import DXO, DataKind, weight_of
 from fedlink.common.errors import FailedPrecondition, InvalidArgument
 from fedlink.server.domain import Result, Task
+from fedlink.server.domain.updates import VariableSpec
 from fedlink.server.workflows.aggregation import difference
 from fedlink.server.workflows.fedavg import FedAvgParams, RoundRule, RoundUpdates
-from fedlink.server.workflows.folding import LazyModel, MetricAverage, OrderKey
+from fedlink.server.workflows.folding import THREAD_ELEMENTS, LazyModel, MetricAverage, OrderKey
 
-#: Float64 elements of one block of coordinates (rows × columns): 8 MiB of scratch.
-_BLOCK_ELEMENTS = 1 << 20
+#: Float64 elements of one block of coordinates (rows × columns): 2 MiB of scratch, small beside a
+#: round of rows (a smaller block did not make the rules slower, 100 rows × 1,000,000 floats).
+_BLOCK_ELEMENTS = 1 << 18
 
 
 class RobustRule(Protocol):
     """Turns a round's updates (rows of differences) into its aggregate, a block at a time."""
+
+    #: Whether the rows must come in the results' canonical order (else in any order: the rule's
+    #: result does not depend on it).
+    ordered: bool
 
     def prepare(self, stacks: Mapping[str, NDArray[Any]], weights: NDArray[np.float64]) -> None:
         """Sees every variable's rows before any block is asked for (Krum chooses here)."""
@@ -60,6 +69,8 @@ class RobustRule(Protocol):
 class Median:
     """The coordinate-wise median (an even count averages its two middle values, in float64)."""
 
+    ordered = False
+
     def prepare(self, stacks: Mapping[str, NDArray[Any]], weights: NDArray[np.float64]) -> None:
         """Nothing to prepare."""
 
@@ -71,6 +82,8 @@ class Median:
 
 class TrimmedMean:
     """The coordinate-wise mean after cutting ``floor(beta * n)`` values from each end."""
+
+    ordered = False
 
     def __init__(self, beta: float) -> None:
         self._beta = beta
@@ -89,6 +102,8 @@ class TrimmedMean:
 
 class Krum:
     """Krum (``num_to_select`` 1) and Multi-Krum: the weighted mean of the best-scored results."""
+
+    ordered = True  # ties go to the first in canonical order, and the rows' order can move the bits
 
     def __init__(self, *, num_malicious: int, num_to_select: int) -> None:
         self._f = num_malicious
@@ -152,6 +167,92 @@ class _Held:
     confirmed: bool = False
 
 
+@dataclass(slots=True, frozen=True)
+class _Copied:
+    """An accepted update whose values are in the round's rows: where, and what else it said."""
+
+    request_id: str
+    slot: int
+    weight: float
+    meta: Mapping[str, Any]
+    names: frozenset[str]
+
+
+class _Rows:
+    """Each variable's rows, one per slot (``capacity`` of them, allocated zeroed on first use: pages
+    no update was written to take no memory), filled as accepted updates arrive."""
+
+    def __init__(self, spec: Mapping[str, VariableSpec], capacity: int) -> None:
+        self._spec = spec
+        self._capacity = capacity
+        self.stacks: dict[str, NDArray[Any]] = {}
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def take(self) -> int:
+        """A free slot (the lowest)."""
+        return self._free.pop()
+
+    def write(self, slot: int, update: DXO, base: Mapping[str, NDArray[Any]] | None) -> None:
+        """Copies ``update``'s variables (as differences to ``base`` for WEIGHTS) into ``slot``'s rows."""
+        for name, array in update.data.items():
+            stack = self.stacks.get(name)
+            if stack is None:
+                variable = self._spec[name]
+                stack = self.stacks[name] = np.zeros((self._capacity, *variable.shape), variable.dtype)
+            row = stack[slot]
+            if update.kind is not DataKind.WEIGHTS:
+                row[...] = array
+                continue
+            value = difference(array, _base(base)[name], out=row)
+            if value is not row:  # computed in float64 and rounded: not written in place
+                row[...] = value
+
+    def free(self, slot: int, names: frozenset[str]) -> None:
+        """Gives ``slot`` back, its rows zeroed (a later update that lacks a variable reads zeros)."""
+        for name in names:
+            self.stacks[name][slot] = 0
+        self._free.append(slot)
+        self._free.sort(reverse=True)
+
+    def arrange(self, order: Mapping[str, Sequence[int]]) -> dict[str, NDArray[Any]]:
+        """Each variable's rows, the slots ``order[name]`` lists brought in place to rows 0, 1, ... (one
+        row of scratch per variable): views of the first ``len(order[name])`` rows."""
+        arranged: dict[str, NDArray[Any]] = {}
+        for name, slots in order.items():
+            stack = self.stacks[name]
+            _permute_rows(stack, slots)
+            arranged[name] = stack[: len(slots)]
+        return arranged
+
+
+def _permute_rows(stack: NDArray[Any], slots: Sequence[int]) -> None:
+    """In place: row ``k`` becomes what row ``slots[k]`` held, for each ``k`` (the slots distinct);
+    rows past ``len(slots)`` are left in any order. Follows the permutation's cycles."""
+    if list(slots) == list(range(len(slots))):
+        return
+    capacity = stack.shape[0]
+    tail = range(len(slots), capacity)
+    unused = set(range(capacity)) - set(slots)
+    stay = unused.intersection(tail)
+    movers = sorted(unused - stay)
+    source = [*slots, *(k if k in stay else movers.pop() for k in tail)]  # row k takes source[k]
+    done = [False] * capacity
+    for start in range(capacity):
+        if done[start] or source[start] == start:
+            done[start] = True
+            continue
+        scratch = stack[start].copy()
+        k = start
+        while True:
+            done[k] = True
+            nxt = source[k]
+            if nxt == start:
+                stack[k] = scratch
+                break
+            stack[k] = stack[nxt]
+            k = nxt
+
+
 class BufferedRound:
     """One round's updates, held whole for a robust rule (see the module docstring)."""
 
@@ -163,7 +264,14 @@ class BufferedRound:
         #: Krum measures whole updates: a variable a result leaves out is a row of zeros there.
         self._missing_as_zero = missing_as_zero
         self._keys: dict[str, OrderKey] = {}
+        #: Offered updates not copied yet (awaiting the store's word, or the copier).
         self._held: dict[str, _Held] = {}
+        #: Accepted updates whose values are in the rows.
+        self._copied: dict[str, _Copied] = {}
+        self._rows = _Rows(model.spec, capacity)
+        self._copier: asyncio.Task[None] | None = None
+        #: Set when a task's update is in the rows (for :meth:`absorbed`).
+        self._copied_signals: dict[str, asyncio.Future[None]] = {}
         self._closing = False
         #: What the close took, in canonical order: (device, weight).
         self._taken: list[tuple[str, float]] = []
@@ -172,25 +280,76 @@ class BufferedRound:
     # ---- the UpdateSink ----
     def offer(self, task_id: str, request_id: str, update: DXO) -> bool:
         """Holds a validated update of a task this round handed out, while there is room."""
-        if self._closing or task_id not in self._keys or task_id in self._held:
+        if self._closing or task_id not in self._keys or task_id in self._held or task_id in self._copied:
             return False
-        if len(self._held) >= self._capacity:
+        if len(self._held) + len(self._copied) >= self._capacity:
             return False
         self._held[task_id] = _Held(request_id, update)
         return True
 
     def settle(self, task_id: str, request_id: str, *, accepted: bool) -> None:
-        """Keeps an accepted update; drops one the store did not accept."""
+        """Copies an accepted update into the round's rows (soon: its own task); drops one the store
+        did not accept."""
         held = self._held.get(task_id)
         if held is None or held.request_id != request_id:
             return
-        if accepted:
-            held.confirmed = True
-        else:
+        if not accepted:
             del self._held[task_id]
+            self._signal_copied(task_id)
+            return
+        held.confirmed = True
+        if self._closing:
+            return  # the close takes it (the store counts it) from what is held
+        if self._copier is None or self._copier.done():
+            self._copier = asyncio.get_running_loop().create_task(self._copy_confirmed())
 
     async def absorbed(self, task_id: str, *, patience: float) -> None:
-        """At once: a held update waits for the close, and the holding is bounded by ``capacity``."""
+        """Returns once the update held for ``task_id`` is in the rows (at once if none is held), or
+        after ``patience`` seconds: a caller producing updates faster than they are copied (the
+        simulation's virtual devices) waits here, so that a round does not hold each update twice."""
+        if task_id not in self._held or self._closing:
+            return
+        copied = self._copied_signals.get(task_id)
+        if copied is None:
+            copied = self._copied_signals[task_id] = asyncio.get_running_loop().create_future()
+        await asyncio.wait({copied}, timeout=patience)
+
+    async def _copy_confirmed(self) -> None:
+        while True:
+            confirmed = [t for t, held in self._held.items() if held.confirmed]
+            if not confirmed:
+                return
+            for task_id in confirmed:
+                held = self._held[task_id]
+                await self._copy(task_id, held.request_id, held.update)
+                del self._held[task_id]  # the rows hold its values from here: let the update go
+
+    async def _copy(self, task_id: str, request_id: str, update: DXO) -> None:
+        base = await self.model.arrays() if update.kind is DataKind.WEIGHTS else None
+        slot = self._rows.take()
+        if sum(a.size for a in update.data.values()) > THREAD_ELEMENTS:
+            await asyncio.to_thread(self._rows.write, slot, update, base)
+        else:
+            self._rows.write(slot, update, base)
+        self._copied[task_id] = _Copied(
+            request_id, slot, weight_of(update), dict(update.meta), frozenset(update.data)
+        )
+        self._signal_copied(task_id)
+
+    def _signal_copied(self, task_id: str) -> None:
+        """Lets the callers of :meth:`absorbed` for ``task_id`` go."""
+        signal = self._copied_signals.pop(task_id, None)
+        if signal is not None and not signal.done():
+            signal.set_result(None)
+
+    async def _stop_copying(self) -> None:
+        self._closing = True
+        while self._copier is not None and not self._copier.done():
+            await self._copier
+        for signal in self._copied_signals.values():
+            if not signal.done():
+                signal.set_result(None)
+        self._copied_signals.clear()
 
     # ---- what the workflow tells it ----
     def expect(self, tasks: Sequence[Task], devices: Sequence[str]) -> None:
@@ -216,12 +375,12 @@ class BufferedRound:
     # ---- the close ----
     async def finish_if_all_folded(self, succeeded: int) -> bool:
         """Ends the closed round from what it holds if that is every accepted result."""
-        self._closing = True
-        confirmed = [task_id for task_id, held in self._held.items() if held.confirmed]
-        if len(confirmed) != succeeded:
+        await self._stop_copying()
+        if len(self._copied) != succeeded:
             return False
-        ordered = sorted(confirmed, key=self._keys.__getitem__)
-        await self._close([(self._keys[t][1], self._held.pop(t).update) for t in ordered])
+        self._held.clear()
+        ordered = sorted(self._copied, key=self._keys.__getitem__)
+        self._close([(self._keys[t][1], t) for t in ordered])
         return True
 
     async def finish(
@@ -233,61 +392,48 @@ class BufferedRound:
         Raises:
             FailedPrecondition: a result's payload was neither kept by the store nor held here.
         """
-        self._closing = True
+        await self._stop_copying()
         chosen = list(results[: self._capacity])
-        wanted = {r.task_id for r in chosen}
-        for task_id in [t for t in self._held if t not in wanted]:
-            del self._held[task_id]  # room first for what the store has to give
-        from_memory: dict[str, DXO] = {}
+        wanted = {(r.task_id, r.request_id) for r in chosen}
+        for task_id, copied in list(self._copied.items()):
+            if (task_id, copied.request_id) not in wanted:
+                del self._copied[task_id]  # room first for what the store has to give
+                self._rows.free(copied.slot, copied.names)
+        held = {t: h.update for t, h in self._held.items() if (t, h.request_id) in wanted}
+        self._held.clear()
         for result in chosen:
-            held = self._held.pop(result.task_id, None)
-            if held is not None and held.request_id == result.request_id:
-                from_memory[result.task_id] = held.update
-            elif result.payload_sha256 is None:
+            if result.task_id in held:  # accepted, its settle not seen before the close
+                await self._copy(result.task_id, result.request_id, held.pop(result.task_id))
+        missing = [r for r in chosen if r.task_id not in self._copied]
+        for result in missing:
+            if result.payload_sha256 is None:
                 raise FailedPrecondition(
                     f"the payload of result {result.result_id} was not kept and is not held for the round"
                 )
-        stored = read_each(
-            [r.payload_sha256 for r in chosen if r.task_id not in from_memory and r.payload_sha256]
-        )
-        taken: list[tuple[str, DXO]] = []
-        for result in chosen:
-            update = from_memory.pop(result.task_id, None)
-            if update is None:
-                update = DXO.from_bytes(await anext(stored))
-            taken.append((result.device_id, update))
-        await self._close(taken)
+        stored = read_each([r.payload_sha256 for r in missing if r.payload_sha256])
+        for result in missing:
+            await self._copy(result.task_id, result.request_id, DXO.from_bytes(await anext(stored)))
+        self._close([(r.device_id, r.task_id) for r in chosen])
 
-    async def _close(self, taken: list[tuple[str, DXO]]) -> None:
-        """Stacks the taken updates as differences to the model (dropping each once copied), then lets
-        the rule prepare."""
-        spec = self.model.spec
-        base = await self.model.arrays() if any(u.kind is DataKind.WEIGHTS for _, u in taken) else None
-        carried: dict[str, list[int]] = {}
-        for i, (_, update) in enumerate(taken):
-            for name in update.data:
-                carried.setdefault(name, []).append(i)
-        n = len(taken)
-        stacks: dict[str, NDArray[Any]] = {}
-        rows_of: dict[str, dict[int, int]] = {}
-        for name, which in carried.items():
-            count = n if self._missing_as_zero else len(which)
-            variable = spec[name]
-            stacks[name] = np.zeros((count, *variable.shape), dtype=variable.dtype)
-            rows_of[name] = {i: (i if self._missing_as_zero else row) for row, i in enumerate(which)}
-        weights = np.empty(n, dtype=np.float64)
-        for i in range(n):
-            device, update = taken[i]
-            taken[i] = (device, _DROPPED)  # the stack holds its values from here: let the update go
-            weights[i] = weight = weight_of(update)
-            self.metrics.add(update.meta, weight)
-            for name, array in update.data.items():
-                row = stacks[name][rows_of[name][i]]
-                row[...] = (
-                    array if update.kind is not DataKind.WEIGHTS else difference(array, _base(base)[name])
-                )
-            self._taken.append((device, weight))
-            del update
+    def _close(self, taken: list[tuple[str, str]]) -> None:
+        """Brings the taken results' rows into place (canonical order where the rule asks for it) and
+        lets the rule prepare."""
+        copied = [self._copied[task_id] for _, task_id in taken]
+        slots = [c.slot for c in copied]
+        if not self._rule.ordered:
+            slots.sort()  # no row moves when nothing was dropped
+        by_slot = {c.slot: c for c in copied}
+        names = {name for c in copied for name in c.names}
+        order = {
+            name: slots if self._missing_as_zero else [s for s in slots if name in by_slot[s].names]
+            for name in sorted(names)
+        }
+        stacks = self._rows.arrange(order)
+        weights = np.array([by_slot[s].weight for s in slots], dtype=np.float64)
+        for (device, _), c in zip(taken, copied, strict=True):
+            self.metrics.add(c.meta, c.weight)  # canonical order
+            self._taken.append((device, c.weight))
+        self._copied.clear()
         self._rule.prepare(stacks, weights)
         self._aggregate = RobustAggregate(stacks, self._rule)
 
@@ -295,10 +441,6 @@ class BufferedRound:
 def _base(model: Mapping[str, NDArray[Any]] | None) -> Mapping[str, NDArray[Any]]:
     assert model is not None, "a WEIGHTS update is taken against the round's model, loaded for it"
     return model
-
-
-#: Stands in for an update once its values are in the round's stacks.
-_DROPPED = DXO(kind=DataKind.WEIGHT_DIFF, data={})
 
 
 # ---- parameters -------------------------------------------------------------------------------------
