@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -210,7 +210,9 @@ class _Rows:
     def free(self, slot: int, names: frozenset[str]) -> None:
         """Gives ``slot`` back, its rows zeroed (a later update that lacks a variable reads zeros)."""
         for name in names:
-            self.stacks[name][slot] = 0
+            stack = self.stacks.get(name)
+            if stack is not None:
+                stack[slot] = 0
         self._free.append(slot)
         self._free.sort(reverse=True)
 
@@ -326,14 +328,17 @@ class BufferedRound:
 
     async def _copy(self, task_id: str, request_id: str, update: DXO) -> None:
         base = await self.model.arrays() if update.kind is DataKind.WEIGHTS else None
+        copied = _Copied(request_id, -1, weight_of(update), dict(update.meta), frozenset(update.data))
         slot = self._rows.take()
-        if sum(a.size for a in update.data.values()) > THREAD_ELEMENTS:
-            await asyncio.to_thread(self._rows.write, slot, update, base)
-        else:
-            self._rows.write(slot, update, base)
-        self._copied[task_id] = _Copied(
-            request_id, slot, weight_of(update), dict(update.meta), frozenset(update.data)
-        )
+        try:
+            if sum(a.size for a in update.data.values()) > THREAD_ELEMENTS:
+                await asyncio.to_thread(self._rows.write, slot, update, base)
+            else:
+                self._rows.write(slot, update, base)
+        except BaseException:
+            self._rows.free(slot, copied.names)  # a partly written slot goes back zeroed
+            raise
+        self._copied[task_id] = replace(copied, slot=slot)
         self._signal_copied(task_id)
 
     def _signal_copied(self, task_id: str) -> None:
