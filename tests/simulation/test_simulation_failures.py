@@ -40,6 +40,14 @@ def test_a_workflow_failure_is_raised_with_the_jobs_message_not_a_hang() -> None
             job_with(round_failure_policy="fail"), 3, runner=FailOnPartitions({0, 1, 2}), timeout=30
         )
     assert caught.value.job_state == "FAILED" and caught.value.rounds_done == 0
+    # The devices' own reasons, counted, most common first (ties: the first seen).
+    message = str(caught.value)
+    assert message.endswith(
+        "the 3 results it needs; 3 failed: "
+        + ", ".join(
+            sorted((f'"RuntimeError: sensor {i} unplugged" (1)' for i in range(3)), key=message.index)
+        )
+    ), message
     assert time.monotonic() - started < 15
 
 

@@ -179,8 +179,9 @@ class StubDevice:
     async def get_job(self) -> rpb.GetJobResponse:
         return await self.stub.GetJob(rpb.GetJobRequest(protocol_version="1.0"), metadata=self.metadata)
 
-    async def train(self, delta: float) -> int:
-        """Takes the job and answers each task with a WEIGHT_DIFF of ``delta``; returns the tasks done."""
+    async def train(self, delta: float, *, error: str | None = None) -> int:
+        """Takes the job and answers each task with a WEIGHT_DIFF of ``delta`` (or, given ``error``, a
+        FAILED report with that message); returns the tasks done."""
         job = await self.get_job()
         while job.status != rpb.RUNNER_STATUS_OK:
             await asyncio.sleep(0.05)
@@ -204,10 +205,14 @@ class StubDevice:
                 job_id=job.job_id,
                 task_id=task.task_id,
                 cookie=task.cookie,
-                status=states_pb2.RESULT_STATUS_SUCCEEDED,
+                status=states_pb2.RESULT_STATUS_SUCCEEDED
+                if error is None
+                else states_pb2.RESULT_STATUS_FAILED,
                 request_id=str(uuid.uuid4()),
+                error_message=error or "",
             )
-            report.result.dxo.CopyFrom(diff)
+            if error is None:
+                report.result.dxo.CopyFrom(diff)
             reply = await self.stub.ReportResult(report, metadata=self.metadata)
             assert reply.status == rpb.RUNNER_STATUS_OK, reply
             cookie = reply.cookie

@@ -227,6 +227,39 @@ def test_a_job_run_to_the_end_is_watched_live_and_downloaded(
     assert (shown["state"], shown["current_round"]) == ("FINISHED", 2)
 
 
+def test_devices_failure_reasons_reach_watch_show_and_the_failed_jobs_message(
+    cli: Cli, coordinator: CoordinatorThread, tmp_path: Path
+) -> None:
+    job_id = submit(cli, write_job(tmp_path, rounds=1))
+    # What a runner sends when its data does not fit the model; a second line and an escape sequence
+    # that must not reach an operator's terminal as such.
+    raw = "InvalidArgument: the 'train' dataset has 4 features per sample;\n the model expects 7\x1b[2J"
+    shown = "InvalidArgument: the 'train' dataset has 4 features per sample; the model expects 7 [2J"
+
+    async def devices() -> list[int]:
+        async with grpc.aio.insecure_channel(coordinator.address) as channel:
+            one = await StubDevice(channel).enroll()
+            two = await StubDevice(channel).enroll()
+            return list(await asyncio.gather(one.train(1.0, error=raw), two.train(1.0, error=raw)))
+
+    training = coordinator.submit(devices())
+    watched = cli("job", "watch", job_id)
+    assert training.result(timeout=60) == [1, 1]
+    assert watched.exit_code == 1, watched.output  # the job failed
+    failed_lines = [line for line in watched.stdout.splitlines() if ": result from " in line]
+    assert len(failed_lines) == 2 and all(line.endswith(f"failed (0 in): {shown}") for line in failed_lines)
+    why = f'round 1 got 0 of the 2 results it needs; 2 failed: "{shown}" (2)'
+    assert watched.stdout.splitlines()[-1].endswith(f"job FAILED: {why}")
+
+    events = [
+        json.loads(line) for line in cli("job", "watch", job_id, "--format", "json").stdout.splitlines()
+    ]
+    received = [e for e in events if e["event"] == "result_received"]
+    assert [(e["status"], e["error"]) for e in received] == [("FAILED", shown)] * 2
+    assert json.loads(cli("job", "show", job_id, "--format", "json").stdout)["message"] == why
+    assert f"message: {why}" in " ".join(cli("job", "show", job_id).stdout.split())
+
+
 def test_download_of_a_round_that_was_not_kept_is_not_found(cli: Cli, tmp_path: Path) -> None:
     job_id = submit(cli, write_job(tmp_path))
     result = cli("job", "download", job_id, "--round", "7", "-o", str(tmp_path / "x.npz"))

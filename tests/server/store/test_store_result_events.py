@@ -62,7 +62,13 @@ async def test_counted_results_add_events_numbered_after_the_jobs_others(world: 
     assert [e.kind for e in events] == ["round_started"] + ["result_received"] * 4
     assert _bodies(events) == [
         {"round": 1, "device_id": held[0].device_id, "status": "SUCCEEDED", "num_results": 1},
-        {"round": 1, "device_id": held[1].device_id, "status": "FAILED", "num_results": 1},
+        {
+            "round": 1,
+            "device_id": held[1].device_id,
+            "status": "FAILED",
+            "num_results": 1,
+            "error": "executor failed",  # the device's reason, for job watch
+        },
         {"round": 1, "device_id": held[2].device_id, "status": "SUCCEEDED", "num_results": 2},
         {"round": 1, "device_id": held[3].device_id, "status": "SUCCEEDED", "num_results": 3},
     ]

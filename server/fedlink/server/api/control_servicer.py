@@ -88,6 +88,7 @@ def event_message(event: JobEvent) -> pb.WatchJobResponse:
             states_pb2.RESULT_STATUS_SUCCEEDED if succeeded else states_pb2.RESULT_STATUS_FAILED
         )
         message.result_received.num_results = int(body.get("num_results", 0))
+        message.result_received.error_message = str(body.get("error", ""))
     elif event.kind == "job_state_changed":
         state = JOB_STATES[JobState(body["state"])]
         message.job_state_changed.state = state

@@ -259,6 +259,8 @@ def event_dict(event: cpb.WatchJobResponse) -> dict[str, object]:
             "RESULT_STATUS_"
         )
         body["num_results"] = event.result_received.num_results
+        if event.result_received.error_message:
+            body["error"] = event.result_received.error_message
     elif kind == "round_closed":
         body["num_results"] = event.round_closed.num_results
         body["metrics"] = dict(sorted(event.round_closed.metrics.items()))
@@ -277,7 +279,7 @@ def event_line(event: cpb.WatchJobResponse) -> str:
     elif kind == "result_received":
         text = (
             f"round {event.round}: result from {d['device_id']} {str(d['status']).lower()} "
-            f"({d['num_results']} in)"
+            f"({d['num_results']} in)" + (f": {d['error']}" if "error" in d else "")
         )
     elif kind == "round_closed":
         metrics = _pairs(dict(sorted(event.round_closed.metrics.items())))

@@ -6,6 +6,7 @@ from fedlink.server.domain.errors import LeaseLost, RunLeaseHeld
 from fedlink.server.domain.ids import new_id
 from fedlink.server.domain.models import (
     EVALUATE_TASK,
+    MAX_FAILURE_REASON,
     TRAIN_TASK,
     Assignment,
     Blob,
@@ -18,7 +19,9 @@ from fedlink.server.domain.models import (
     Run,
     Task,
     WorkflowSpec,
+    failure_reason,
     selector_matches,
+    summarize_failures,
 )
 from fedlink.server.domain.states import (
     ACTIVE_ASSIGNMENT_STATES,
@@ -39,6 +42,7 @@ from fedlink.server.domain.states import (
 __all__ = [
     "ACTIVE_ASSIGNMENT_STATES",
     "EVALUATE_TASK",
+    "MAX_FAILURE_REASON",
     "TRAIN_TASK",
     "Assignment",
     "AssignmentState",
@@ -62,9 +66,11 @@ __all__ = [
     "Task",
     "TaskState",
     "WorkflowSpec",
+    "failure_reason",
     "is_final",
     "new_id",
     "selector_matches",
+    "summarize_failures",
     "transition_assignment",
     "transition_device",
     "transition_job",

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -170,6 +171,32 @@ class Assignment:
     state: AssignmentState
     lease_expires_at: datetime
     created_at: datetime
+
+
+#: The longest failure reason kept, in characters: a device's exception and its message, not a log.
+MAX_FAILURE_REASON = 1000
+
+
+def failure_reason(message: str) -> str:
+    """A device's failure message as it is stored and shown to operators: every control character
+    (newlines, escapes) a space, runs of whitespace one space, at most :data:`MAX_FAILURE_REASON`
+    characters (a longer one is cut and ends with an ellipsis)."""
+    printable = "".join(c if c.isprintable() else " " for c in message)
+    reason = " ".join(printable.split())
+    if len(reason) > MAX_FAILURE_REASON:
+        reason = reason[: MAX_FAILURE_REASON - 1].rstrip() + "…"
+    return reason
+
+
+def summarize_failures(reasons: Sequence[str], *, most: int = 3) -> str:
+    """One line: how many devices failed, and the ``most`` most common reasons with their counts
+    (ties in the order first seen), e.g. ``2 failed: "ValueError: bad shape" (2)``; "" if none."""
+    if not reasons:
+        return ""
+    counts = Counter(r or "no reason given" for r in reasons)
+    common = ", ".join(f'"{reason}" ({count})' for reason, count in counts.most_common(most))
+    others = len(counts) - min(most, len(counts))
+    return f"{len(reasons)} failed: {common}" + (f" and {others} other reasons" if others else "")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -41,6 +41,7 @@ from fedlink.server.domain import (
     ReportOutcome,
     ResultStatus,
     Task,
+    failure_reason,
     selector_matches,
 )
 from fedlink.server.protocol.authentication import DeviceAuthenticator
@@ -508,7 +509,7 @@ class DeviceProtocol:
                     payload_sha256=payload_sha,
                     report_digest=digest,
                     request_id=report.request_id or digest,
-                    error_message=report.error_message[:4000],
+                    error_message=failure_reason(report.error_message),
                 ),
                 inline,
             )

@@ -372,7 +372,7 @@ def _result_events(conn: sa.Connection, written: Sequence[_Plan], now: datetime)
     """A ``result_received`` job event per result this batch ``written`` that counts (accepted, or
     failed: late ones count for nothing), in the batch's transaction: an event exists exactly when its
     result does. Its ``num_results`` is how many results of the round (and task name) were accepted
-    with it."""
+    with it; a failed result's reason is its ``error``."""
     counted = [plan for plan in written if not plan.row["stale"]]
     if not counted:
         return
@@ -387,9 +387,11 @@ def _result_events(conn: sa.Connection, written: Sequence[_Plan], now: datetime)
     for plan in counted:
         running[plan.group] += bool(plan.row["accepted"])
         # What json.dumps(..., sort_keys=True) writes, without its per-call cost (10,000 per round).
+        reason = plan.row["error_message"] if plan.report.status is ResultStatus.FAILED else ""
+        error = f'"error": {json.dumps(reason)}, ' if reason else ""
         body = (
-            f'{{"device_id": {json.dumps(plan.report.device_id)}, "num_results": {running[plan.group]}, '
-            f'"round": {plan.group[1]}, "status": "{plan.report.status.value}"}}'
+            f'{{"device_id": {json.dumps(plan.report.device_id)}, {error}"num_results": '
+            f'{running[plan.group]}, "round": {plan.group[1]}, "status": "{plan.report.status.value}"}}'
         )
         events.append((plan.job_id, _RESULT_RECEIVED, body))
     append_job_events(conn, events, now)

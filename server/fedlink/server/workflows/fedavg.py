@@ -44,6 +44,7 @@ from fedlink.server.domain import (
     Task,
     TaskState,
     selector_matches,
+    summarize_failures,
 )
 from fedlink.server.store import NewTask
 from fedlink.server.workflows.aggregation import Aggregate
@@ -432,7 +433,7 @@ class FedAvg:
                 continue
             if summary.succeeded >= needed:
                 return
-            shortfall = f"round {round_no} got {summary.succeeded} of the {needed} results it needs"
+            shortfall = await _shortfall(ctx, run_id, round_no, name, got=summary.succeeded, needed=needed)
             if self.params.round_failure_policy == "fail":
                 raise RoundFailed(shortfall)
             # Counted before its wave is handed out: a crash in between spends a retry, never adds one.
@@ -440,7 +441,7 @@ class FedAvg:
             if retries > self.params.max_round_retries:
                 raise RoundFailed(shortfall)
             log.warning(
-                "round short of results; retrying",
+                f"{shortfall}; retrying",
                 extra={"job_id": ctx.job.job_id, "round": round_no, "retry": retries},
             )
             view = await self._view(ctx, round_no, name)
@@ -593,3 +594,16 @@ class FedAvg:
             scalars = {k: float(v) for k, v in dxo.data.items() if v.size == 1 and v.dtype.kind in "fiu"}
             metrics.add({**scalars, **dxo.meta}, weight)
         return {prefix + k if not k.startswith(prefix) else k: v for k, v in metrics.result().items()}
+
+
+async def _shortfall(
+    ctx: WorkflowContext, run_id: str, round_no: int, name: str, *, got: int, needed: int
+) -> str:
+    """Why a round fell short, in one line: the count, and its devices' most common failure reasons."""
+    reasons = [
+        r.error_message
+        for r in await ctx.store.result_outlines(run_id)
+        if r.round == round_no and r.task_name == name and r.status is ResultStatus.FAILED
+    ]
+    failed = summarize_failures(reasons)
+    return f"round {round_no} got {got} of the {needed} results it needs" + (f"; {failed}" if failed else "")

@@ -1036,22 +1036,28 @@ class ResultReceived(_message.Message):
     DEVICE_ID_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
     NUM_RESULTS_FIELD_NUMBER: _builtins.int
+    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
     device_id: _builtins.str
     """The device that reported it."""
     status: _states_pb2.ResultStatus.ValueType
     """Whether it succeeded."""
     num_results: _builtins.int
     """Results of the round accepted so far."""
+    error_message: _builtins.str
+    """Why it failed, when status is RESULT_STATUS_FAILED: the device's reason (its error type and
+    message), control characters replaced by spaces, at most 1,000 characters; empty if it gave none.
+    """
     def __init__(
         self,
         *,
         device_id: _builtins.str = ...,
         status: _states_pb2.ResultStatus.ValueType = ...,
         num_results: _builtins.int = ...,
+        error_message: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_id", b"device_id", "num_results", b"num_results", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_id", b"device_id", "error_message", b"error_message", "num_results", b"num_results", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
