@@ -468,13 +468,15 @@ def _fedlink_side(job: RobustJob, model: NDArray[np.float32]) -> _Measured:
         before = _Baseline.now()
         arrival = loop.run_until_complete(_hand_over(holder, job))
         held = _rss()
+        making_peak = _max_rss()  # clear_refs resets ru_maxrss too
         _reset_peak()
         start = time.perf_counter()
         loop.run_until_complete(close(holder, job.devices))
         closed = time.perf_counter()
         new = step.apply({VARIABLE: model}, holder.aggregate(), round_no=1)[VARIABLE]
         end = time.perf_counter()
-        peak, close_peak = _max_rss(), _peak_since_reset()
+        close_peak = _peak_since_reset()
+        peak = max(making_peak, close_peak)
     finally:
         loop.close()
     # Untimed, after the peak was read: the aggregate again (the rule's blocks, from the round's stacks).
@@ -490,6 +492,7 @@ def _numpy_side(job: RobustJob, model: NDArray[np.float32]) -> _Measured:
     updates = [update_array(i, job.devices, job.floats, job.krum_f) for i in range(job.devices)]
     weights = np.array([weight(i) for i in range(job.devices)], dtype=np.float64)
     held = _rss()
+    making_peak = _max_rss()  # clear_refs resets ru_maxrss too
     _reset_peak()
     start = time.perf_counter()
     stack = np.stack(updates)
@@ -497,7 +500,8 @@ def _numpy_side(job: RobustJob, model: NDArray[np.float32]) -> _Measured:
     aggregate = NUMPY_RULES[job.rule](stack, weights, job.krum_f)
     new = (model + aggregate).astype(np.float32, copy=False)
     end = time.perf_counter()
-    peak, close_peak = _max_rss(), _peak_since_reset()
+    close_peak = _peak_since_reset()
+    peak = max(making_peak, close_peak)
     max_abs = max(float(np.max(np.abs(u))) for u in updates)
     parts = (stacked - start, end - stacked)
     return _Measured(
