@@ -43,6 +43,9 @@ _SECRET_NAME: Final = re.compile(r"token|secret|passw|credential|authorization|c
 _MAX_VALUE_CHARS: Final = 1000
 # Libraries that log every statement at DEBUG; kept at INFO so DEBUG stays readable.
 _CHATTY_LOGGERS: Final = ("aiosqlite", "asyncio", "hpack")
+# Libraries whose INFO lines are their own business (Alembic: a line per plugin and migration at
+# every start); kept at WARNING unless fedlink logs at DEBUG. fedlink says what it upgraded itself.
+_QUIET_LOGGERS: Final = ("alembic",)
 
 
 @contextmanager
@@ -200,6 +203,8 @@ def configure_logging(
     root.setLevel(numeric)
     for name in _CHATTY_LOGGERS:
         logging.getLogger(name).setLevel(max(numeric, logging.INFO))
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(numeric if numeric <= logging.DEBUG else logging.WARNING)
     return handler
 
 

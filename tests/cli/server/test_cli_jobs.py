@@ -213,6 +213,7 @@ def test_a_job_run_to_the_end_is_watched_live_and_downloaded(
     downloaded = cli("job", "download", job_id, "-o", str(final))
     assert downloaded.exit_code == 0, downloaded.output
     assert "round 2" in downloaded.stdout
+    assert "note:" not in downloaded.stderr  # a finished job's model
     with np.load(final) as model:
         # Each round adds the mean of the two devices' updates, (1 + 3) / 2 = 2, to every weight.
         assert set(model.files) == {"w", "b"}
@@ -258,6 +259,20 @@ def test_devices_failure_reasons_reach_watch_show_and_the_failed_jobs_message(
     assert [(e["status"], e["error"]) for e in received] == [("FAILED", shown)] * 2
     assert json.loads(cli("job", "show", job_id, "--format", "json").stdout)["message"] == why
     assert f"message: {why}" in " ".join(cli("job", "show", job_id).stdout.split())
+
+
+def test_download_of_a_running_job_says_it_is_the_initial_model_not_a_result(
+    cli: Cli, tmp_path: Path
+) -> None:
+    job_id = submit(cli, write_job(tmp_path))  # no devices: it stays before its first round
+    target = tmp_path / "early.npz"
+    downloaded = cli("job", "download", job_id, "-o", str(target))
+    assert downloaded.exit_code == 0, downloaded.output
+    assert downloaded.stdout.startswith("wrote the initial model (round 0)")
+    assert downloaded.stderr.startswith(f"note: job {job_id} is ")
+    assert "no round has completed: the initial model" in downloaded.stderr
+    with np.load(target) as model:
+        np.testing.assert_array_equal(model["w"], INITIAL["w"])
 
 
 def test_download_of_a_round_that_was_not_kept_is_not_found(cli: Cli, tmp_path: Path) -> None:

@@ -472,6 +472,9 @@ def download_command(job_id: str, round_no: int, output: Path | None, connection
     if not target.parent.is_dir():
         fail(f"{target}: the directory {target.parent} does not exist")
     with control_client(connection) as client:
+        job = client.stub.DescribeJob(
+            cpb.DescribeJobRequest(job_id=job_id), metadata=client.metadata, timeout=CALL_TIMEOUT_S
+        ).job
         data, got_round = download_model(client, job_id, round_no)
     try:
         model = DXO.from_bytes(data)
@@ -488,7 +491,16 @@ def download_command(job_id: str, round_no: int, output: Path | None, connection
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
-    click.echo(f"wrote the model of round {got_round} ({len(model.data)} arrays) to {target}")
+    which = "the initial model (round 0)" if got_round == 0 else f"the model of round {got_round}"
+    click.echo(f"wrote {which} ({len(model.data)} arrays) to {target}")
+    if job.state != states_pb2.JOB_STATE_FINISHED and round_no == 0:
+        # Not a finished job's result: say so, rather than let the initial model pass for a final one.
+        click.echo(
+            f"note: job {job_id} is {state_name(job.state)}: this is its latest completed round's model, "
+            "not a finished job's"
+            + (" (no round has completed: the initial model)" if got_round == 0 else ""),
+            err=True,
+        )
 
 
 __all__ = ["download_model", "event_dict", "event_line", "job_dict", "job_group", "upload_model"]

@@ -6,6 +6,7 @@ so no second (sync) driver is needed.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from fedlink.common.errors import SchemaMismatch
 from fedlink.server.store.dialect import Database
+
+_log = logging.getLogger(__name__)
 
 SCRIPT_LOCATION = Path(__file__).parent / "migrations"
 
@@ -106,3 +109,4 @@ async def ensure_schema(database: Database, *, auto_migrate: bool) -> None:
             f"the database has {found}, this fedlink needs {head}: run `fedlink db upgrade --db URL`"
         )
     await _run(database, "upgrade", "head")
+    _log.info(f"database schema upgraded from {current or 'none'} to {head}")
