@@ -41,6 +41,7 @@ def _accuracy(
     digits: Digits, workflow: Any, *, rounds: int, epochs: int, alpha: float, attacked: bool
 ) -> float:
     job = softmax_job(rounds=rounds, epochs=epochs)
+    assert isinstance(job.job_data, dict)
     job_data: dict[str, Any] = copy.deepcopy(job.job_data)
     registry = None
     if attacked:

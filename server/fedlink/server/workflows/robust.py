@@ -123,10 +123,10 @@ class Krum:
             # the spread's precision, not the values'. Then float32 products suffice for a float32
             # model (half the time of float64: 2e-8 relative error in the distances of 100 x 1M
             # floats), summed over the blocks in float64.
-            dtype = np.float64 if flat.dtype == np.float64 else np.float32
+            dtype: type[np.floating[Any]] = np.float64 if flat.dtype == np.float64 else np.float32
             width = max(1, _BLOCK_ELEMENTS // max(1, n))
             for start in range(0, flat.shape[1], width):
-                block = flat[:, start : start + width].astype(dtype)
+                block: NDArray[np.floating[Any]] = flat[:, start : start + width].astype(dtype)
                 block -= block.mean(axis=0, dtype=np.float64).astype(dtype)
                 gram += block @ block.T
         norms = np.diag(gram)
