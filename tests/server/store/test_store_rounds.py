@@ -42,6 +42,7 @@ async def test_round_summary_counts_what_each_device_did(world: World) -> None:
         0,
     )
     assert summary.next_deadline == min(t.deadline for t in tasks)
+    assert summary.oldest_unclaimed == min(t.created_at for t in tasks)
 
     claimed = {d: await store.claim_task(d, job_id, now, LEASE) for d in devices[:4]}
     a0, a1, a2, a3 = (claimed[d] for d in devices[:4])
@@ -57,6 +58,8 @@ async def test_round_summary_counts_what_each_device_did(world: World) -> None:
     assert summary.succeeded == 1
     assert summary.lost_open == 2  # the failed one and the released one
     assert summary.owing == 2
+    # Only devices[4]'s task was never claimed (a released or failed one was: it is lost instead).
+    assert summary.oldest_unclaimed == tasks[4].created_at
     assert await store.round_summary(run_id=run_id, round=2, name="train") == type(summary)(
         tasks=0, first_wave=0, open=0, succeeded=0, owing=0, lost_open=0, next_deadline=None
     )
@@ -66,6 +69,7 @@ async def test_round_summary_counts_what_each_device_did(world: World) -> None:
     assert await store.close_round_tasks(run_id=run_id, round=1, name="train") == 0
     summary = await store.round_summary(run_id=run_id, round=1, name="train")
     assert (summary.open, summary.owing, summary.lost_open, summary.succeeded) == (0, 0, 0, 1)
+    assert summary.oldest_unclaimed is None  # closed tasks wait for no one
 
 
 async def test_targets_assignments_and_blob_access(world: World) -> None:

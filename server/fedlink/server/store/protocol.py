@@ -162,6 +162,8 @@ class RoundSummary:
     lost_open: int
     #: The earliest deadline among open tasks, if any are open.
     next_deadline: datetime | None
+    #: When the oldest open task no device has claimed yet was created (None: there is none).
+    oldest_unclaimed: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -439,6 +441,12 @@ class StateStore(Protocol):
 
     async def get_assignment(self, assignment_id: str) -> Assignment:
         """Return an assignment; NotFound if unknown."""
+        ...
+
+    async def open_assignments(self, assignment_ids: Sequence[str], now: datetime) -> set[str]:
+        """Those of the assignments a report would be counted for at ``now`` (unknown ids are left out):
+        LEASED under a lease not yet ended, of an OPEN task whose deadline has not passed. An
+        assignment that is not open never opens again."""
         ...
 
     async def renew_lease(

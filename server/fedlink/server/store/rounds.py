@@ -108,6 +108,7 @@ class RoundQueries(StoreCore):
             owing=int(found[4]),
             lost_open=int(found[5]),
             next_deadline=found[6],
+            oldest_unclaimed=found[7],
         )
 
     async def result_outlines(self, run_id: str) -> list[ResultOutline]:
@@ -186,7 +187,7 @@ class RoundQueries(StoreCore):
         return await self._db.write_sync(work)
 
 
-def _round_summary_statement() -> sa.Select[int, int, int, int, int, int, Any]:
+def _round_summary_statement() -> sa.Select[int, int, int, int, int, int, Any, Any]:
     """The round summary's query, built once with bind parameters (building it cost more than running
     it: the workflow asks for a summary of a 10,000-task round twice a second)."""
     t = tasks.alias("t")
@@ -197,6 +198,7 @@ def _round_summary_statement() -> sa.Select[int, int, int, int, int, int, Any]:
         results.c.accepted.is_(True),
     )
     held = sa.exists().where(assignments.c.task_id == t.c.task_id, assignments.c.state.in_(_HELD))
+    claimed = sa.exists().where(assignments.c.task_id == t.c.task_id)
     lost = sa.exists().where(assignments.c.task_id == t.c.task_id, assignments.c.state.in_(_LOST))
     run_id = sa.bindparam("run_id", type_=tasks.c.run_id.type)
     round_no = sa.bindparam("round", type_=tasks.c.round.type)
@@ -218,6 +220,7 @@ def _round_summary_statement() -> sa.Select[int, int, int, int, int, int, Any]:
         # A failed result counts as lost too: its slot is free for a replacement device.
         count(sa.and_(is_open, lost, ~held, ~succeeded)),
         sa.func.min(sa.case((is_open, t.c.deadline))),
+        sa.func.min(sa.case((sa.and_(is_open, ~claimed, ~answered), t.c.created_at))),
     ).where(t.c.run_id == run_id, t.c.round == round_no, t.c.name == name)
 
 

@@ -102,6 +102,8 @@ class FedAvgParams(WorkflowParams):
     min_results: int = 0
     #: How long a round stays open.
     round_timeout_s: float = seconds_field(600.0)
+    #: How long a sampled device has to pick up its task before it is offered to another device.
+    pickup_timeout_s: float = seconds_field(30.0)
     #: Eligible online devices needed before the first round; 0 means ``min_results`` (at least 1).
     min_devices: int = 0
     #: Seed of the sampling generator.
@@ -133,6 +135,8 @@ class FedAvgParams(WorkflowParams):
             raise InvalidArgument("min_results cannot exceed devices_per_round")
         if not (math.isfinite(self.round_timeout_s) and self.round_timeout_s > 0):
             raise InvalidArgument("round_timeout must be positive")
+        if not (math.isfinite(self.pickup_timeout_s) and self.pickup_timeout_s > 0):
+            raise InvalidArgument("pickup_timeout must be positive")
         if self.round_failure_policy not in ("retry", "fail"):
             raise InvalidArgument("round_failure_policy must be 'retry' or 'fail'")
 
@@ -194,10 +198,14 @@ class _RoundView:
     def succeeded(self) -> list[Result]:
         return [r for r in self.results.values() if r.status is ResultStatus.SUCCEEDED and r.accepted]
 
-    def lost(self, task: Task) -> bool:
-        """True if the task's device will not deliver: its lease expired, it released or failed it."""
+    def lost(self, task: Task, *, unclaimed_before: datetime | None = None) -> bool:
+        """True if the task's device will not deliver: its lease expired, it released or failed it,
+        or (given ``unclaimed_before``) it did not claim a task created before then."""
         a = self.assignments.get(task.task_id)
-        return a is not None and a.state in _LOST
+        if a is None:
+            late = unclaimed_before is not None and task.created_at <= unclaimed_before
+            return late and task.task_id not in self.results
+        return a.state in _LOST
 
     def owing(self) -> list[Task]:
         """Open tasks whose device may still report."""
@@ -420,16 +428,25 @@ class FedAvg:
                 now = ctx.clock.now()
                 deadline = summary.next_deadline or now
                 short = summary.succeeded < needed
-                if short and summary.lost_open and now < deadline and devices is None:
+                # A sampled device that has not picked up its task within the pickup timeout is
+                # replaced like one whose lease ran out, not waited for until the round's timeout.
+                pickup = timedelta(seconds=self.params.pickup_timeout_s)
+                unclaimed = summary.oldest_unclaimed
+                pickup_due = unclaimed + pickup if unclaimed is not None and devices is None else None
+                late = pickup_due is not None and pickup_due <= now
+                if short and (summary.lost_open or late) and now < deadline and devices is None:
                     view = await self._view(ctx, round_no, name)
-                    if await self._replace_lost(ctx, round_no, name, payload_sha, view, deadline):
+                    if await self._replace_lost(
+                        ctx, round_no, name, payload_sha, view, deadline, unclaimed_before=now - pickup
+                    ):
                         continue
                 if now >= deadline or summary.owing == 0:
                     await ctx.store.close_round_tasks(run_id=run_id, round=round_no, name=name)
                     if summary.succeeded >= needed:  # results only add up: no need to count again
                         return
                     continue
-                await self._pause(ctx, (deadline - now).total_seconds(), owing=summary.owing, seen=seen)
+                wake = min(deadline, pickup_due) if short and pickup_due is not None else deadline
+                await self._pause(ctx, (wake - now).total_seconds(), owing=summary.owing, seen=seen)
                 continue
             if summary.succeeded >= needed:
                 return
@@ -559,9 +576,12 @@ class FedAvg:
         payload_sha: str,
         view: _RoundView,
         deadline: datetime,
+        *,
+        unclaimed_before: datetime,
     ) -> bool:
-        """Closes open tasks whose device was lost and offers each to a device not asked this round."""
-        lost = [t for t in view.open() if view.lost(t)]
+        """Closes open tasks whose device was lost (or did not claim its task created before
+        ``unclaimed_before``) and offers each to a device not asked this round."""
+        lost = [t for t in view.open() if view.lost(t, unclaimed_before=unclaimed_before)]
         if not lost:
             return False
         asked = view.asked()

@@ -103,6 +103,10 @@ def _rounds_from_wire(message: pb.FedAvgConfig) -> dict[str, Any]:
         seconds = _seconds(message.round_timeout, "round_timeout")
         if seconds:  # zero means the coordinator's default
             config["round_timeout_s"] = seconds
+    if message.HasField("pickup_timeout"):
+        seconds = _seconds(message.pickup_timeout, "pickup_timeout")
+        if seconds:  # zero means the coordinator's default
+            config["pickup_timeout_s"] = seconds
     policy = _POLICIES.get(message.round_failure_policy)
     if policy is None:
         raise InvalidArgument(f"unknown round_failure_policy {message.round_failure_policy}")
@@ -120,6 +124,8 @@ def _rounds_to_wire(config: Mapping[str, Any], message: pb.FedAvgConfig) -> None
         message.fraction = float(config["fraction"])
     if "round_timeout_s" in config:
         message.round_timeout.FromTimedelta(timedelta(seconds=float(config["round_timeout_s"])))
+    if "pickup_timeout_s" in config:
+        message.pickup_timeout.FromTimedelta(timedelta(seconds=float(config["pickup_timeout_s"])))
     if config.get("round_failure_policy") == "fail":
         message.round_failure_policy = pb.ROUND_FAILURE_POLICY_FAIL
     elif "round_failure_policy" in config:

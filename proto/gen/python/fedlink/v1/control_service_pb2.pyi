@@ -64,6 +64,7 @@ class FedAvgConfig(_message.Message):
     ROUND_FAILURE_POLICY_FIELD_NUMBER: _builtins.int
     MAX_ROUND_RETRIES_FIELD_NUMBER: _builtins.int
     KEEP_CHECKPOINTS_FIELD_NUMBER: _builtins.int
+    PICKUP_TIMEOUT_FIELD_NUMBER: _builtins.int
     num_rounds: _builtins.int
     """How many rounds to run (>= 1)."""
     fraction: _builtins.float
@@ -90,6 +91,14 @@ class FedAvgConfig(_message.Message):
     def round_timeout(self) -> _duration_pb2.Duration:
         """How long a round stays open for results. Zero means the coordinator's default."""
 
+    @_builtins.property
+    def pickup_timeout(self) -> _duration_pb2.Duration:
+        """How long a device sampled for a round has to pick up its task. A task still unclaimed after it
+        is closed and offered to another eligible device, as one whose lease ran out is, so a device
+        that went away since it last polled does not hold the round until its timeout. Unset or zero
+        means the coordinator's default (30 s).
+        """
+
     def __init__(
         self,
         *,
@@ -104,10 +113,11 @@ class FedAvgConfig(_message.Message):
         round_failure_policy: Global___RoundFailurePolicy.ValueType = ...,
         max_round_retries: _builtins.int = ...,
         keep_checkpoints: _builtins.int | None = ...,
+        pickup_timeout: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_keep_checkpoints", b"_keep_checkpoints", "keep_checkpoints", b"keep_checkpoints", "round_timeout", b"round_timeout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_keep_checkpoints", b"_keep_checkpoints", "keep_checkpoints", b"keep_checkpoints", "pickup_timeout", b"pickup_timeout", "round_timeout", b"round_timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_keep_checkpoints", b"_keep_checkpoints", "devices_per_round", b"devices_per_round", "evaluate", b"evaluate", "fraction", b"fraction", "keep_checkpoints", b"keep_checkpoints", "max_round_retries", b"max_round_retries", "min_devices", b"min_devices", "min_results", b"min_results", "num_rounds", b"num_rounds", "round_failure_policy", b"round_failure_policy", "round_timeout", b"round_timeout", "seed", b"seed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_keep_checkpoints", b"_keep_checkpoints", "devices_per_round", b"devices_per_round", "evaluate", b"evaluate", "fraction", b"fraction", "keep_checkpoints", b"keep_checkpoints", "max_round_retries", b"max_round_retries", "min_devices", b"min_devices", "min_results", b"min_results", "num_rounds", b"num_rounds", "pickup_timeout", b"pickup_timeout", "round_failure_policy", b"round_failure_policy", "round_timeout", b"round_timeout", "seed", b"seed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__keep_checkpoints: _TypeAlias = _typing.Literal["keep_checkpoints"]  # noqa: Y015
     _WhichOneofArgType__keep_checkpoints: _TypeAlias = _typing.Literal["_keep_checkpoints", b"_keep_checkpoints"]  # noqa: Y015
