@@ -88,7 +88,15 @@ def fedlink_executable() -> str:
     return found
 
 
-def start_coordinator(fedlink: str, data_dir: Path, admin_token: str) -> tuple[subprocess.Popen[str], str]:
+def write_secret(path: Path, value: str) -> Path:
+    """Writes a secret to a file only its owner may read (a flag's value would be in the process list)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(value + "\n")
+    return path
+
+
+def start_coordinator(fedlink: str, data_dir: Path, admin_token: Path) -> tuple[subprocess.Popen[str], str]:
     """``fedlink serve`` on a free port; returns the process and its address once it listens."""
     process = subprocess.Popen(
         [
@@ -100,8 +108,8 @@ def start_coordinator(fedlink: str, data_dir: Path, admin_token: str) -> tuple[s
             "127.0.0.1:0",
             "--data-dir",
             str(data_dir),
-            "--admin-token",
-            admin_token,
+            "--admin-token-file",
+            str(admin_token),
             "--keep-checkpoints",
             "100",
             "--shutdown-grace",
@@ -226,7 +234,8 @@ def main() -> int:
         fedlink = fedlink_executable()
         token = uuid.uuid4().hex
         metadata = (("authorization", f"Bearer {token}"),)
-        coordinator, address = start_coordinator(fedlink, work / "coordinator", token)
+        token_file = write_secret(work / "admin-token", token)
+        coordinator, address = start_coordinator(fedlink, work / "coordinator", token_file)
         runners: list[subprocess.Popen[bytes]] = []
         try:
             with grpc.insecure_channel(address) as channel:

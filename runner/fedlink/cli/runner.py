@@ -15,9 +15,21 @@ __all__ = ["runner_command"]
 @click.option("--server", help="Coordinator host:port.  [env FEDLINK_SERVER]")
 @click.option("--ca-cert", type=click.Path(dir_okay=False, path_type=Path), help="PEM CA of the coordinator.")
 @click.option("--insecure", is_flag=True, default=None, help="Plaintext gRPC, without TLS (tests only).")
-@click.option("--join-secret", help="The coordinator's join secret (first enrolment only).")
 @click.option(
-    "--state-dir", type=click.Path(file_okay=False, path_type=Path), help="Identity and pending results."
+    "--join-secret",
+    help="The coordinator's join secret (first enrolment only); visible to every local user in the "
+    "process list: prefer --join-secret-file.",
+)
+@click.option(
+    "--join-secret-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="File holding the join secret; refused if others may read it (chmod 600).  "
+    "[env FEDLINK_JOIN_SECRET_FILE]",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Identity and pending results; one runner at a time (a second exits 1, naming the first).",
 )
 @click.option("--job-name", help="Only take jobs with this name.")
 @click.option("--data", type=click.Path(dir_okay=False, path_type=Path), help=".npz with x_train/y_train...")

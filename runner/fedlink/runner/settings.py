@@ -9,9 +9,11 @@ seconds; ``job_timeout = "0"`` (or ``"inf"``) waits for a job for ever. Maps (``
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import re
+import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,9 +23,19 @@ from typing import Any, Final
 
 from fedlink.common.errors import InvalidArgument
 
-__all__ = ["ENV_PREFIX", "RunnerSettings", "default_state_dir", "load_runner_settings", "parse_duration"]
+__all__ = [
+    "ENV_PREFIX",
+    "RunnerSettings",
+    "default_state_dir",
+    "load_runner_settings",
+    "parse_duration",
+    "read_secret_file",
+]
+
+_log = logging.getLogger(__name__)
 
 ENV_PREFIX: Final = "FEDLINK_"
+_MAX_SECRET_BYTES: Final = 4096
 _DURATION: Final = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)?\s*$")
 _UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
@@ -48,7 +60,10 @@ class RunnerSettings:
     insecure: bool = False
     """Plaintext gRPC, without TLS; must be asked for explicitly."""
     join_secret: str = field(default="", repr=False)
-    """The coordinator's join secret, needed once, for the first enrolment."""
+    """The coordinator's join secret, needed once, for the first enrolment. A flag's value is visible to
+    every local user in the process list: prefer ``join_secret_file``."""
+    join_secret_file: Path | None = None
+    """File holding the join secret, read when the settings are loaded; refused if others may read it."""
     state_dir: Path = field(default_factory=default_state_dir)
     """Where the device keeps its identity and unacknowledged results."""
     job_name: str = ""
@@ -93,6 +108,11 @@ class RunnerSettings:
             raise InvalidArgument("partition_id needs data (a .npz file) to split")
         if self.shutdown_grace < timedelta(0):
             raise InvalidArgument("shutdown_grace cannot be negative")
+        if self.join_secret_file is not None and not self.join_secret:
+            raise InvalidArgument(
+                "join_secret_file is read into join_secret by load_runner_settings: build the settings "
+                "with it, or give join_secret"
+            )
 
     @property
     def job_timeout_seconds(self) -> float:
@@ -168,6 +188,7 @@ _CONVERTERS: Final[dict[str, Any]] = {
     "ca_cert": lambda v: Path(str(v)).expanduser() if v not in (None, "") else None,
     "insecure": _parse_bool,
     "join_secret": str,
+    "join_secret_file": lambda v: Path(str(v)).expanduser() if v not in (None, "") else None,
     "state_dir": lambda v: Path(str(v)).expanduser(),
     "job_name": str,
     "data": lambda v: Path(str(v)).expanduser() if v not in (None, "") else None,
@@ -226,4 +247,56 @@ def load_runner_settings(
     for name, value in (flags or {}).items():
         if value is not None:
             values[name] = _convert(name, value, f"--{name.replace('_', '-')}")
+    secret_file = values.get("join_secret_file")
+    if isinstance(secret_file, Path):
+        if values.get("join_secret"):
+            raise InvalidArgument("join_secret and join_secret_file exclude each other: give one")
+        values["join_secret"] = read_secret_file(secret_file)
     return RunnerSettings(**values)  # type: ignore[arg-type]
+
+
+def read_secret_file(path: Path) -> str:
+    """The token in a secret file (surrounding whitespace stripped).
+
+    Refused if others may read it; a group-readable one is used with a warning, unless systemd passed
+    it (``LoadCredential=``: ``$CREDENTIALS_DIRECTORY`` is private to the service, whatever the mode
+    bits of its files show, as systemd grants access with an ACL).
+
+    Raises:
+        InvalidArgument: the file is missing, unreadable, accessible by others, empty or not text; the
+            message names it.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise InvalidArgument(f"secret file {path} does not exist") from None
+    except OSError as exc:
+        raise InvalidArgument(f"cannot open secret file {path}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)  # of the opened file: it cannot be swapped after the check
+        mode = stat.S_IMODE(info.st_mode)
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidArgument(f"secret file {path} is not a regular file")
+        if mode & 0o007:
+            raise InvalidArgument(
+                f"secret file {path} is accessible by others (mode {mode:04o}); run: chmod 600 {path}"
+            )
+        if mode & 0o070 and not _from_systemd(path):
+            _log.warning("secret file %s is readable by its group (mode %04o); chmod 600 it", path, mode)
+        data = os.read(fd, _MAX_SECRET_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > _MAX_SECRET_BYTES:
+        raise InvalidArgument(f"secret file {path} is too large to be a secret")
+    try:
+        secret = data.decode().strip()
+    except UnicodeDecodeError:
+        raise InvalidArgument(f"secret file {path} is not text") from None
+    if not secret:
+        raise InvalidArgument(f"secret file {path} is empty")
+    return secret
+
+
+def _from_systemd(path: Path) -> bool:
+    directory = os.environ.get("CREDENTIALS_DIRECTORY", "")
+    return bool(directory) and path.resolve().parent == Path(directory).resolve()

@@ -130,10 +130,13 @@ class Coordinator:
     async def start(self) -> None:
         """Opens the store, starts the services and the gRPC server."""
         s = self.settings
+        # Both secrets first: a secret file that is missing or unsafe is refused before anything starts.
+        join_secret = resolve_join_secret(s)
+        self.admin_token = resolve_admin_token(s)
         core = CoordinatorCore(
             s,
             clock=self._clock,
-            join_secret=resolve_join_secret(s),
+            join_secret=join_secret,
             on_result_outcome=self.telemetry.count_result,
             telemetry=self.telemetry if s.metrics_address else None,
         )
@@ -144,7 +147,6 @@ class Coordinator:
         store = core.store
         self.store = store
         self.device_protocol = core.device_protocol
-        self.admin_token = resolve_admin_token(s)
         device_auth = _DeviceAuth(core.device_protocol)
         device_protocol, control_protocol = core.device_protocol, core.control_protocol
         server = grpc.aio.server(
@@ -206,6 +208,7 @@ class Coordinator:
         self._server = server
         host = s.listen_address.rsplit(":", 1)[0]
         self.endpoint = Endpoint(address=f"{host}:{port}", port=port, ca_cert=ca_cert, insecure=s.insecure)
+        core.record_address(self.endpoint.address)
         if s.metrics_address:
             self._metrics_server = self.telemetry.start_http_server(s.metrics_address)
         if core.failure is None:  # the loops may have given up already (a store that fails at once)

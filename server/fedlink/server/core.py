@@ -22,6 +22,7 @@ from types import TracebackType
 from fedlink.common.dxo import DXO
 from fedlink.server.coordination.known_tasks import KnownTasks
 from fedlink.server.coordination.notify import LocalTaskNotifier
+from fedlink.server.data_dir import DataDirLock
 from fedlink.server.domain import Clock, SystemClock, Task
 from fedlink.server.protocol.control import ControlProtocol
 from fedlink.server.protocol.cookies import CookieSigner
@@ -76,7 +77,9 @@ def coordinator_id(data_dir: Path) -> str:
         pass
     identity = f"{socket.gethostname()}-{secrets.token_hex(4)}"
     partial = path.with_name(f".coordinator-id.{os.getpid()}")
-    partial.write_text(identity + "\n")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(identity + "\n")
     try:
         os.link(partial, path)  # first writer wins; a concurrent start reads the winner's id
     except FileExistsError:
@@ -123,6 +126,7 @@ class CoordinatorCore:
         self.failure: BaseException | None = None
         self._failed = asyncio.Event()
         self._telemetry = telemetry
+        self._lock: DataDirLock | None = None
 
     @property
     def store(self) -> SqlStateStore:
@@ -159,6 +163,8 @@ class CoordinatorCore:
         """Opens the store and starts the job supervisor and the upkeep loops."""
         s = self.settings
         s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # Before the store opens: a second process on this directory must not touch it at all.
+        self._lock = DataDirLock.acquire(s.data_dir, address=s.listen_address)
         store = await create_store(
             s.db_url, blob_dir=s.blob_dir, clock=self.clock, auto_migrate=s.auto_migrate
         )
@@ -268,3 +274,12 @@ class CoordinatorCore:
         store, self._store = self._store, None
         if store is not None:
             await store.close()
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
+
+    def record_address(self, address: str) -> None:
+        """Records where this coordinator listens in its data directory's lock (for a second one's
+        refusal message)."""
+        if self._lock is not None:
+            self._lock.record(address)

@@ -13,14 +13,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import stat
 from pathlib import Path
 from typing import Final
 
-from fedlink.common.errors import FailedPrecondition, NotFound
+from fedlink.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from fedlink.server.settings import CoordinatorSettings
+
+log = logging.getLogger(__name__)
 
 #: Bytes of randomness in a generated token (256 bits).
 TOKEN_BYTES: Final = 32
@@ -64,19 +67,68 @@ def read_secret_file(path: Path) -> str:
         raise NotFound(f"secret file {path} does not exist") from None
     except OSError as exc:
         raise FailedPrecondition(f"cannot open secret file {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as file:
+    try:
         # Checked on the opened descriptor, so the file cannot be swapped between check and read.
-        info = os.fstat(file.fileno())
-        _check_private(path, info)
-        data = file.read(_MAX_SECRET_FILE_BYTES + 1)
+        _check_private(path, os.fstat(fd))
+        data = os.read(fd, _MAX_SECRET_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    return _token(path, data, "; delete it to generate a new one")
+
+
+def read_given_secret_file(path: Path) -> str:
+    """Reads a secret file the operator named (``--join-secret-file``, ``--admin-token-file``).
+
+    Unlike the data directory's own files, it may be a symlink (a mounted secret) and belong to another
+    user that granted read access (systemd's credentials are root's, shared by an ACL). It is refused if
+    others may read it and used with a warning if its group may, unless systemd passed it
+    (``$CREDENTIALS_DIRECTORY``, private to the service whatever its mode bits show).
+
+    Raises:
+        InvalidArgument: the file is missing, unreadable, accessible by others, empty or not a token;
+            the message names it.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise InvalidArgument(f"secret file {path} does not exist") from None
+    except OSError as exc:
+        raise InvalidArgument(f"cannot open secret file {path}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidArgument(f"secret file {path} is not a regular file")
+        mode = stat.S_IMODE(info.st_mode)
+        if _POSIX and mode & 0o007:
+            raise InvalidArgument(
+                f"secret file {path} is accessible by others (mode {mode:04o}); run: chmod 600 {path}"
+            )
+        if _POSIX and mode & 0o070 and not _from_systemd(path):
+            log.warning("secret file %s is readable by its group (mode %04o); chmod 600 it", path, mode)
+        data = os.read(fd, _MAX_SECRET_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        return _token(path, data, "")
+    except FailedPrecondition as exc:
+        raise InvalidArgument(exc.message) from None
+
+
+def _from_systemd(path: Path) -> bool:
+    directory = os.environ.get("CREDENTIALS_DIRECTORY", "")
+    return bool(directory) and Path(path).resolve().parent == Path(directory).resolve()
+
+
+def _token(path: Path, data: bytes, remedy: str) -> str:
     if len(data) > _MAX_SECRET_FILE_BYTES:
         raise FailedPrecondition(f"secret file {path} is too large to be a token")
     try:
         token = data.decode().strip()
     except UnicodeDecodeError:
-        raise FailedPrecondition(f"secret file {path} is not text; delete it to generate a new one") from None
+        raise FailedPrecondition(f"secret file {path} is not text{remedy}") from None
     if not token:
-        raise FailedPrecondition(f"secret file {path} is empty; delete it to generate a new one")
+        raise FailedPrecondition(f"secret file {path} is empty{remedy}")
     return token
 
 
@@ -129,22 +181,42 @@ def ensure_secret_file(path: Path, *, nbytes: int = TOKEN_BYTES) -> str:
 
 
 def resolve_admin_token(settings: CoordinatorSettings) -> str:
-    """The operator credential: ``settings.admin_token`` if given, else the data directory's file."""
+    """The operator credential: ``settings.admin_token`` if given, else ``admin_token_file``.
+
+    Raises:
+        InvalidArgument: a file named in the settings cannot be used (see :func:`read_given_secret_file`).
+        FailedPrecondition: the data directory's own file is unusable (see :func:`ensure_secret_file`).
+    """
     if settings.admin_token:
         return settings.admin_token
-    return ensure_secret_file(settings.admin_token_file)
+    if settings.generates_admin_token:
+        return ensure_secret_file(settings.admin_token_file)
+    return _given(settings.admin_token_file, "admin_token_file")
 
 
 def resolve_join_secret(settings: CoordinatorSettings) -> str | None:
     """The enrolment secret; ``None`` when enrolment is open (anyone may enrol).
 
-    Without ``open_enrolment`` it is ``settings.join_secret`` if given, else the data directory's file.
+    Without ``open_enrolment`` it is ``settings.join_secret`` if given, else ``join_secret_file``.
+
+    Raises:
+        InvalidArgument: a file named in the settings cannot be used (see :func:`read_given_secret_file`).
+        FailedPrecondition: the data directory's own file is unusable (see :func:`ensure_secret_file`).
     """
     if settings.open_enrolment:
         return None
     if settings.join_secret:
         return settings.join_secret
-    return ensure_secret_file(settings.join_secret_file)
+    if settings.generates_join_secret:
+        return ensure_secret_file(settings.join_secret_file)
+    return _given(settings.join_secret_file, "join_secret_file")
+
+
+def _given(path: Path, setting: str) -> str:
+    try:
+        return read_given_secret_file(path)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{setting}: {exc.message}") from None
 
 
 __all__ = [
@@ -153,6 +225,7 @@ __all__ = [
     "ensure_secret_file",
     "generate_token",
     "hash_credential",
+    "read_given_secret_file",
     "read_secret_file",
     "resolve_admin_token",
     "resolve_join_secret",

@@ -40,6 +40,9 @@ LoopKind = Literal["auto", "uvloop", "asyncio"]
 
 # Identity-checked stand-in for "derive from data_dir": no caller can pass this very object.
 _DERIVED_PATH: Final = Path("<derived from data_dir>")
+#: The data directory's own secret files, created on first start.
+JOIN_SECRET_FILE: Final = "join-secret"
+ADMIN_TOKEN_FILE: Final = "admin-token"
 _URL_PASSWORD: Final = re.compile(r"(://[^:/@]*:)[^@]*@")
 
 
@@ -92,10 +95,20 @@ class CoordinatorSettings:
     """Let any device enrol without the join secret."""
 
     join_secret: str | None = field(default=None, repr=False)
-    """Secret a device presents to enrol; unset: read or create ``<data_dir>/join-secret`` (0600)."""
+    """Secret a device presents to enrol; unset: read from join_secret_file. A flag's value is visible to
+    every local user in the process list: prefer join_secret_file."""
+
+    join_secret_file: Path = _DERIVED_PATH
+    """File holding the join secret (default ``<data_dir>/join-secret``, created 0600 with a new secret if
+    missing). A file named here must exist and must not be readable by others (group-readable: a warning)."""
 
     admin_token: str | None = field(default=None, repr=False)
-    """Operator credential for ControlService; unset: read or create ``<data_dir>/admin-token`` (0600)."""
+    """Operator credential for ControlService; unset: read from admin_token_file. A flag's value is visible
+    to every local user in the process list: prefer admin_token_file."""
+
+    admin_token_file: Path = _DERIVED_PATH
+    """File holding the admin token (default ``<data_dir>/admin-token``, created 0600 with a new token if
+    missing). A file named here must exist and must not be readable by others (group-readable: a warning)."""
 
     metrics_address: str | None = None
     """``host:port`` of the Prometheus ``/metrics`` endpoint (e.g. ``127.0.0.1:9464``); unset: none."""
@@ -159,6 +172,10 @@ class CoordinatorSettings:
             object.__setattr__(self, "db_url", f"sqlite+aiosqlite:///{data_dir / 'fedlink.db'}")
         if self.blob_dir is _DERIVED_PATH:
             object.__setattr__(self, "blob_dir", data_dir / "blobs")
+        for name, default in (("join_secret_file", JOIN_SECRET_FILE), ("admin_token_file", ADMIN_TOKEN_FILE)):
+            given = getattr(self, name)
+            path = data_dir / default if given is _DERIVED_PATH else Path(given).expanduser()
+            object.__setattr__(self, name, path)
         object.__setattr__(self, "log_level", self.log_level.upper())
         if self.auto_migrate is None:
             object.__setattr__(self, "auto_migrate", self.db_url.startswith("sqlite"))
@@ -170,14 +187,14 @@ class CoordinatorSettings:
         return _URL_PASSWORD.sub(r"\1***@", self.db_url)
 
     @property
-    def join_secret_file(self) -> Path:
-        """Where the generated join secret is kept."""
-        return self.data_dir / "join-secret"
+    def generates_join_secret(self) -> bool:
+        """Whether the join secret is the data directory's own file, created when missing."""
+        return self.join_secret_file == self.data_dir / JOIN_SECRET_FILE
 
     @property
-    def admin_token_file(self) -> Path:
-        """Where the generated admin token is kept (``fedlink job ...`` reads it by default)."""
-        return self.data_dir / "admin-token"
+    def generates_admin_token(self) -> bool:
+        """Whether the admin token is the data directory's own file (``fedlink job ...`` reads it there)."""
+        return self.admin_token_file == self.data_dir / ADMIN_TOKEN_FILE
 
     @property
     def tls_dir(self) -> Path:
@@ -208,6 +225,10 @@ def _validate_serving(s: CoordinatorSettings) -> None:
         )
     if not s.tls_hostnames:
         raise InvalidArgument("tls_hostnames needs at least one name")
+    if s.join_secret and not s.generates_join_secret:
+        raise InvalidArgument("join_secret and join_secret_file exclude each other: give one")
+    if s.admin_token and not s.generates_admin_token:
+        raise InvalidArgument("admin_token and admin_token_file exclude each other: give one")
 
 
 def _validate_limits(s: CoordinatorSettings) -> None:
@@ -505,7 +526,9 @@ def load_settings(
 
 
 __all__ = [
+    "ADMIN_TOKEN_FILE",
     "ENV_PREFIX",
+    "JOIN_SECRET_FILE",
     "CoordinatorSettings",
     "LogFormat",
     "LoopKind",

@@ -91,6 +91,7 @@ class Cli:
                 "FEDLINK_SERVER",
                 "FEDLINK_INSECURE",
                 "FEDLINK_ADMIN_TOKEN",
+                "FEDLINK_ADMIN_TOKEN_FILE",
                 "FEDLINK_DATA_DIR",
                 "FEDLINK_CONFIG",
             )

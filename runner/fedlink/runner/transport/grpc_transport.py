@@ -3,6 +3,8 @@
 * **Identity**: enrols once and keeps the device id and credential in ``<state_dir>/identity.json``
   (0600). The Enroll request id is stored *before* the call, so a crash during enrolment gets the
   same device back on restart.
+* **One process per state directory**: :meth:`GrpcTransport.open` locks it (see
+  :meth:`~fedlink.runner.transport.state.StateDir.lock`) until :meth:`GrpcTransport.close`.
 * **TLS** from a CA file, or plaintext only when ``insecure=True`` is given explicitly.
 * **Retries**: UNAVAILABLE, DEADLINE_EXCEEDED and ABORTED (and connection failures, which gRPC
   reports as UNAVAILABLE) are retried without limit, with exponential backoff and full jitter;
@@ -57,7 +59,7 @@ from fedlink.runner.transport.base import (
     Transport,
     with_model_version,
 )
-from fedlink.runner.transport.state import Identity, StateDir
+from fedlink.runner.transport.state import Identity, StateDir, StateDirLock
 from fedlink.v1 import dxo_pb2, states_pb2
 from fedlink.v1 import runner_service_pb2 as pb
 from fedlink.v1 import runner_service_pb2_grpc as pb_grpc
@@ -145,6 +147,7 @@ class GrpcTransport(Transport):
     def __init__(self, config: GrpcTransportConfig) -> None:
         self.config = config
         self.state = StateDir(config.state_dir)
+        self._lock: StateDirLock | None = None
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.RunnerServiceAsyncStub | None = None
         self._identity: Identity | None = None
@@ -160,7 +163,14 @@ class GrpcTransport(Transport):
         return self._identity.device_id
 
     async def open(self) -> None:
-        """Connects, enrols if needed, and re-sends results a previous process left pending."""
+        """Takes the state directory, connects, enrols if needed, and re-sends what a previous process
+        left pending.
+
+        Raises:
+            FailedPrecondition: another runner uses the state directory.
+        """
+        if self._lock is None:
+            self._lock = self.state.lock()
         if self._channel is None:
             self._channel = self._make_channel()
             self._stub = pb_grpc.RunnerServiceStub(self._channel)
@@ -168,10 +178,13 @@ class GrpcTransport(Transport):
         await self.flush_pending()
 
     async def close(self) -> None:
-        """Closes the channel; safe to call twice."""
+        """Closes the channel and lets the state directory go; safe to call twice."""
         channel, self._channel, self._stub = self._channel, None, None
         if channel is not None:
             await channel.close()
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
     def _make_channel(self) -> grpc.aio.Channel:
         base_ms = int(self.config.backoff.base.total_seconds() * 1000)

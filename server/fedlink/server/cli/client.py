@@ -2,8 +2,8 @@
 
 Every ``fedlink job …`` and ``fedlink device …`` command takes the same connection options. The
 environment variables are the coordinator's own where they mean the same thing, so one shell set up
-for ``fedlink serve`` (``FEDLINK_DATA_DIR``, ``FEDLINK_INSECURE``, ``FEDLINK_ADMIN_TOKEN``) also works
-for the operator commands; ``FEDLINK_SERVER`` is the client's alone.
+for ``fedlink serve`` (``FEDLINK_DATA_DIR``, ``FEDLINK_INSECURE``, ``FEDLINK_ADMIN_TOKEN_FILE``,
+``FEDLINK_ADMIN_TOKEN``) also works for the operator commands; ``FEDLINK_SERVER`` is the client's alone.
 
 Defaults are chosen so that, on the coordinator's host, no option is needed: TLS trusting the
 self-signed CA in ``<data_dir>/tls/ca.pem`` and the admin token from ``<data_dir>/admin-token``.
@@ -26,8 +26,8 @@ import click
 import grpc
 
 from fedlink.common.errors import FedlinkError, NotFound
-from fedlink.server.credentials import read_secret_file
-from fedlink.server.settings import default_data_dir, split_address
+from fedlink.server.credentials import read_given_secret_file, read_secret_file
+from fedlink.server.settings import ADMIN_TOKEN_FILE, default_data_dir, split_address
 from fedlink.v1 import control_service_pb2_grpc
 
 #: Where the coordinator listens unless told otherwise (``fedlink serve``'s default).
@@ -89,6 +89,7 @@ class ConnectionOptions:
     ca_cert: Path | None
     insecure: bool
     admin_token: str | None
+    admin_token_file: Path | None = None
 
     def resolved_ca_cert(self) -> Path | None:
         """The CA to trust: ``--ca-cert``, else ``<data_dir>/tls/ca.pem`` if it exists, else system roots."""
@@ -98,19 +99,25 @@ class ConnectionOptions:
         return default if default.is_file() else None
 
     def resolved_admin_token(self) -> str:
-        """The admin credential: ``--admin-token`` or its variable, else ``<data_dir>/admin-token``."""
+        """The admin credential: ``--admin-token``, ``--admin-token-file`` (or their variables), else
+        ``<data_dir>/admin-token``."""
+        if self.admin_token and self.admin_token_file is not None:
+            fail("--admin-token and --admin-token-file exclude each other (or their variables): give one")
         if self.admin_token:
             return self.admin_token
-        path = self.data_dir / "admin-token"
         try:
-            return read_secret_file(path)
-        except NotFound:
-            fail(
-                f"no admin token: {path} does not exist; pass --admin-token or set FEDLINK_ADMIN_TOKEN "
-                "(the coordinator writes the file in its data directory on first start; see --data-dir)"
-            )
+            if self.admin_token_file is not None:
+                return read_given_secret_file(self.admin_token_file.expanduser())
+            path = self.data_dir / ADMIN_TOKEN_FILE
+            try:
+                return read_secret_file(path)
+            except NotFound:
+                fail(
+                    f"no admin token: {path} does not exist (the coordinator writes it in its data "
+                    "directory on first start; see --data-dir); or pass --admin-token-file"
+                )
         except FedlinkError as exc:
-            fail(exc.message)
+            fail(f"--admin-token-file: {exc.message}" if self.admin_token_file else exc.message)
 
     def channel(self) -> grpc.Channel:
         """Opens a channel to the coordinator (TLS unless ``--insecure``)."""
@@ -158,7 +165,8 @@ def control_client(options: ConnectionOptions) -> Iterator[ControlClient]:
 
 
 def connection_options(command: Callable[P, R]) -> Callable[..., R]:
-    """Adds ``--server``, ``--ca-cert``, ``--insecure``, ``--admin-token`` and ``--data-dir`` to a command.
+    """Adds ``--server``, ``--ca-cert``, ``--insecure``, ``--admin-token``, ``--admin-token-file`` and
+    ``--data-dir`` to a command.
 
     The wrapped function receives a :class:`ConnectionOptions` as its ``connection`` argument.
     """
@@ -187,7 +195,20 @@ def connection_options(command: Callable[P, R]) -> Callable[..., R]:
         envvar="FEDLINK_ADMIN_TOKEN",
         show_envvar=False,
         metavar="TOKEN",
-        help="The admin credential (default: read <data-dir>/admin-token) [env: FEDLINK_ADMIN_TOKEN].",
+        help=(
+            "The admin credential (default: read <data-dir>/admin-token); visible to every local user in "
+            "the process list: prefer --admin-token-file [env: FEDLINK_ADMIN_TOKEN]."
+        ),
+    )
+    @click.option(
+        "--admin-token-file",
+        envvar="FEDLINK_ADMIN_TOKEN_FILE",
+        show_envvar=False,
+        type=click.Path(dir_okay=False, path_type=Path),
+        help=(
+            "File holding the admin credential; refused if others may read it "
+            "(default: <data-dir>/admin-token) [env: FEDLINK_ADMIN_TOKEN_FILE]."
+        ),
     )
     @click.option(
         "--data-dir",
@@ -202,6 +223,7 @@ def connection_options(command: Callable[P, R]) -> Callable[..., R]:
         ca_cert: Path | None,
         insecure: bool,
         admin_token: str | None,
+        admin_token_file: Path | None,
         data_dir: Path | None,
         **kwargs: Any,
     ) -> R:
@@ -211,6 +233,7 @@ def connection_options(command: Callable[P, R]) -> Callable[..., R]:
             ca_cert=ca_cert,
             insecure=insecure,
             admin_token=admin_token,
+            admin_token_file=admin_token_file,
         )
         return command(*args, connection=connection, **kwargs)  # type: ignore[arg-type]
 

@@ -5,8 +5,10 @@ docstrings, so ``--help`` documents every setting and cannot drift from them. On
 the command line are passed to :func:`~fedlink.server.settings.load_settings`, which applies the
 precedence defaults < ``--config`` TOML file < ``FEDLINK_*`` environment < flags.
 
-Exit codes: 0 after a graceful stop; 2 for a bad setting (named with where it came from); 1 when the
-coordinator cannot start (address in use, database unreachable, unusable secret file).
+Exit codes: 0 after a graceful stop; 2 for a bad setting (named with where it came from), a secret file
+named by ``--join-secret-file`` or ``--admin-token-file`` included; 1 when the coordinator cannot start
+(address in use, database unreachable, the data directory in use by another coordinator, an unusable
+secret file of the data directory's own).
 """
 
 from __future__ import annotations
@@ -142,8 +144,13 @@ def _announce(settings: CoordinatorSettings, address: str, ca_cert: Path | None)
         lines.append(f"  CA certificate for runners to trust: {ca_cert}")
     if settings.admin_token:
         lines.append("  admin token: as configured (admin_token setting)")
-    else:
+    elif settings.generates_admin_token:
         lines.append(f"  admin token: {settings.admin_token_file} (fedlink job/device read it from there)")
+    else:
+        lines.append(
+            f"  admin token: {settings.admin_token_file} (fedlink job/device: --admin-token-file "
+            f"{settings.admin_token_file})"
+        )
     if settings.open_enrolment:
         lines.append("  enrolment: open, no join secret needed")
     elif settings.join_secret:
@@ -260,8 +267,11 @@ serve_command = click.Command(
     help=(
         "Run the coordinator: the device and control gRPC services, health, reflection and metrics.\n\n"
         "Settings come from defaults < --config TOML < FEDLINK_* environment < flags. With no flags it "
-        "serves TLS with a self-signed CA on 127.0.0.1:8443 and keeps everything in the data directory. "
-        "SIGTERM or SIGINT stops it gracefully (exit 0). If a background loop (the job supervisor, "
+        "serves TLS with a self-signed CA on 127.0.0.1:8443 and keeps everything in the data directory, "
+        "owner-only (files 0600, directories 0700), which one coordinator at a time may use (a second "
+        "one exits 1 naming the first). Give secrets as files (--join-secret-file, --admin-token-file): "
+        "the values of --join-secret and --admin-token are visible to every local user in the process "
+        "list. SIGTERM or SIGINT stops it gracefully (exit 0). If a background loop (the job supervisor, "
         "maintenance, metrics) keeps failing past loop_failure_timeout, health turns NOT_SERVING and it "
         "stops with exit 3."
     ),

@@ -25,6 +25,9 @@ from fedlink.server.store.schema import blob_chunks
 
 #: Largest blob ``put_many`` keeps as a row (one chunk) when blobs otherwise go to files.
 SMALL_BLOB_BYTES = 256 * 1024
+#: Blob files hold models and devices' updates: owner-only, whatever the umask or the parent's mode.
+_FILE_MODE = 0o600
+_DIR_MODE = 0o700
 
 
 class BlobBytes(Protocol):
@@ -202,8 +205,10 @@ class DirectoryBytes:
         #: Whether files are fsynced before the rows naming them commit (see blob_files_need_fsync).
         self.fsync = (database is None or blob_files_need_fsync(database)) if fsync is None else fsync
         self._small = min(small_blob_bytes, CHUNK_SIZE) if database is not None else -1
-        (root / "objects").mkdir(parents=True, exist_ok=True)
-        (root / "uploads").mkdir(parents=True, exist_ok=True)
+        # A directory given by the operator may already exist, 0755: what is created in it is private.
+        root.mkdir(parents=True, exist_ok=True, mode=_DIR_MODE)
+        (root / "objects").mkdir(exist_ok=True, mode=_DIR_MODE)
+        (root / "uploads").mkdir(exist_ok=True, mode=_DIR_MODE)
 
     def _path(self, key: str) -> Path:
         if _is_sha256(key):
@@ -212,8 +217,8 @@ class DirectoryBytes:
 
     def _write_sync(self, key: str, offset: int, data: bytes) -> None:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "r+b" if path.exists() else "wb") as f:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=_DIR_MODE)
+        with open(path, "r+b" if path.exists() else "wb", opener=_private) as f:
             f.truncate(offset)
             f.seek(offset)
             f.write(data)
@@ -240,9 +245,9 @@ class DirectoryBytes:
             target = self._path(sha256)
             if target.exists():
                 continue
-            target.parent.mkdir(parents=True, exist_ok=True)
+            target.parent.mkdir(parents=True, exist_ok=True, mode=_DIR_MODE)
             partial = target.with_name(f".{sha256}.{os.getpid()}.partial")
-            with open(partial, "wb") as f:
+            with open(partial, "wb", opener=_private) as f:
                 f.write(data)
                 if self.fsync:
                     f.flush()
@@ -267,7 +272,7 @@ class DirectoryBytes:
 
     def _rename_sync(self, key: str, sha256: str) -> None:
         target = self._path(sha256)
-        target.parent.mkdir(parents=True, exist_ok=True)
+        target.parent.mkdir(parents=True, exist_ok=True, mode=_DIR_MODE)
         os.replace(self._path(key), target)
         if self.fsync:
             fsync_directory(target.parent)
@@ -313,6 +318,11 @@ class DirectoryBytes:
                     return
         finally:
             f.close()
+
+
+def _private(path: str, flags: int) -> int:
+    """``open()``'s opener for blob files: a file it creates is 0600."""
+    return os.open(path, flags | os.O_CLOEXEC, _FILE_MODE)
 
 
 def _is_sha256(key: str) -> bool:

@@ -18,8 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
@@ -42,6 +45,8 @@ _WRITE_OPTION = "fedlink_write"
 # PostgreSQL SQLSTATEs worth retrying the whole transaction for.
 _RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
 _MAX_ATTEMPTS = 8
+#: The files SQLite keeps beside a database in WAL mode (and, briefly, in rollback mode).
+_SQLITE_COMPANIONS = ("-wal", "-shm", "-journal")
 
 
 def is_memory_sqlite(url: str) -> bool:
@@ -82,12 +87,52 @@ def _sqlite_sync_engine(url: str) -> sa.Engine:
     return engine.execution_options(**{_WRITE_OPTION: True})
 
 
+def _make_sqlite_file_private(path: Path) -> None:
+    """Creates a missing SQLite file 0600, and takes group and other access from an existing one.
+
+    The database holds the key that signs cookies. SQLite creates a missing file 0644 (less the umask),
+    whatever its directory's mode, and gives its ``-wal`` and ``-shm`` files the database file's mode:
+    creating the (empty) file first decides all three. A file of an older version, or its companions,
+    made accessible to others, is narrowed here; files of another user are left to the operator.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return  # a missing directory or no permission: SQLite's own error says it when connecting
+    try:
+        _narrow(path, fd)
+    finally:
+        os.close(fd)
+    for suffix in _SQLITE_COMPANIONS:
+        try:
+            fd = os.open(f"{path}{suffix}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue  # none (SQLite creates it with the database file's mode), or not ours to open
+        try:
+            _narrow(Path(f"{path}{suffix}"), fd)
+        finally:
+            os.close(fd)
+
+
+def _narrow(path: Path, fd: int) -> None:
+    info = os.fstat(fd)
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o077 and info.st_uid == os.getuid():
+        os.fchmod(fd, mode & 0o700)
+        log.warning("%s was readable by others (mode %04o): made it 0%03o", path, mode, mode & 0o700)
+
+
 def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
-    """Create the async engine for ``url`` (``sqlite+aiosqlite://`` or ``postgresql+asyncpg://``)."""
+    """Create the async engine for ``url`` (``sqlite+aiosqlite://`` or ``postgresql+asyncpg://``).
+
+    A SQLite file is created (or narrowed to) owner-only first: see :func:`_make_sqlite_file_private`.
+    """
     parsed = make_url(url)
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         memory = is_memory_sqlite(url)
+        if not memory and parsed.database and not parsed.database.startswith("file:"):
+            _make_sqlite_file_private(Path(parsed.database))
         kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False}}
         if memory:
             kwargs["poolclass"] = StaticPool
