@@ -263,6 +263,28 @@ class ClaimQueries(StoreCore):
         async with self._db.read() as conn:
             return rows.assignment(await self._fetch_one(conn, query, f"assignment {assignment_id}"))
 
+    async def open_assignments(self, assignment_ids: Sequence[str], now: datetime) -> set[str]:
+        """Those of the assignments a report would be counted for at ``now`` (unknown ids are left out):
+        LEASED under a lease not yet ended, of an OPEN task whose deadline has not passed."""
+        query = (
+            sa.select(assignments.c.assignment_id)
+            .join(tasks, tasks.c.task_id == assignments.c.task_id)
+            .where(
+                among(assignments.c.assignment_id, "assignment_ids", array=not self._db.is_sqlite),
+                _LEASED_SQL,
+                assignments.c.lease_expires_at > now,
+                _OPEN_SQL,
+                tasks.c.deadline > now,
+            )
+        )
+        found: set[str] = set()
+        ids = sorted(set(assignment_ids))
+        async with self._db.read() as conn:
+            for start in range(0, len(ids), _IN_BATCH):
+                chunk = {"assignment_ids": ids[start : start + _IN_BATCH]}
+                found.update((await conn.execute(query, chunk)).scalars())
+        return found
+
     async def _held(self, conn: AsyncConnection, assignment_id: str, device_id: str, now: datetime) -> None:
         """Check ``device_id`` holds a live lease on the assignment; raise what it lacks."""
         query = (
