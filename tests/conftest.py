@@ -15,6 +15,11 @@ import pytest
 # by an earlier RecursionError in the run), ending a run of a subset of the suite with a traceback
 # instead of its summary.
 
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    # bench/ holds scripts run from the repository root (python -m bench.X), not an installed package.
+    sys.path.insert(0, str(ROOT))
+
 
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
