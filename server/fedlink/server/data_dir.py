@@ -7,29 +7,23 @@ second is refused at start. This holds whatever the database: a second process o
 and a PostgreSQL store would still share the first one's identity. Coordinators that share a
 PostgreSQL store each have their own data directory.
 
-The lock is ``flock`` on ``<data_dir>/coordinator.lock`` (0600), which records the holder's pid, host
-and address for the message another process gets. The kernel releases it when the process exits,
-even on SIGKILL, so a lock file left behind by a crash never blocks a restart. The file itself is
-never removed: removing it would let a newcomer lock a fresh file while the holder keeps the old one.
+The lock is a :class:`~fedlink.common.files.FileLock` on ``<data_dir>/coordinator.lock``, which records
+the holder's pid, host and address for the message another process gets.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
-import logging
 import os
 import socket
 from pathlib import Path
 from typing import Final
 
 from fedlink.common.errors import FailedPrecondition
-
-log = logging.getLogger(__name__)
+from fedlink.common.files import FileLock, LockHeld
 
 #: The lock file's name in the data directory.
 LOCK_FILE: Final = "coordinator.lock"
-_MAX_RECORD_BYTES: Final = 4096
 
 
 class DataDirInUse(FailedPrecondition):
@@ -39,9 +33,9 @@ class DataDirInUse(FailedPrecondition):
 class DataDirLock:
     """The held lock on a data directory; :meth:`release` (or the process's end) lets it go."""
 
-    def __init__(self, path: Path, fd: int) -> None:
-        self.path = path
-        self._fd: int | None = fd
+    def __init__(self, lock: FileLock) -> None:
+        self._lock = lock
+        self.path = lock.path
 
     @classmethod
     def acquire(cls, data_dir: Path, *, address: str) -> DataDirLock:
@@ -51,51 +45,35 @@ class DataDirLock:
             DataDirInUse: another process holds it; the message names that process.
             FailedPrecondition: the lock file cannot be created or locked.
         """
-        path = data_dir / LOCK_FILE
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        except OSError as exc:
-            raise FailedPrecondition(f"cannot create the lock file {path}: {exc.strerror}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _describe_holder(fd)
-            os.close(fd)
+            lock = FileLock.take(data_dir / LOCK_FILE, _record(address))
+        except LockHeld as held:
             raise DataDirInUse(
-                f"the data directory {data_dir} is in use by another coordinator ({holder}); stop it "
-                "first, or give this one its own --data-dir (two coordinators on one directory would "
-                "both drive its jobs)"
+                f"the data directory {data_dir} is in use by another coordinator "
+                f"({_describe_holder(held.record)}); stop it first, or give this one its own --data-dir "
+                "(two coordinators on one directory would both drive its jobs)"
             ) from None
-        except OSError as exc:
-            os.close(fd)
-            raise FailedPrecondition(f"cannot lock {path}: {exc.strerror}") from None
-        lock = cls(path, fd)
-        lock.record(address)
-        return lock
+        return cls(lock)
 
     def record(self, address: str) -> None:
         """Rewrites the holder's record, e.g. once the server knows the port it was given."""
-        if self._fd is None:
-            return
-        holder = {"pid": os.getpid(), "host": socket.gethostname(), "address": address}
-        data = (json.dumps(holder) + "\n").encode()
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, data, 0)
+        self._lock.record(_record(address))
 
     def release(self) -> None:
         """Releases the lock; safe to call twice."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)  # closing the last descriptor of the open file releases the flock
+        self._lock.release()
 
 
-def _describe_holder(fd: int) -> str:
+def _record(address: str) -> str:
+    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "address": address})
+
+
+def _describe_holder(record: str) -> str:
     """What the holder wrote in the lock file, for the refusal's message."""
     try:
-        raw = os.pread(fd, _MAX_RECORD_BYTES, 0)
-        holder = json.loads(raw)
+        holder = json.loads(record)
         pid, host, address = int(holder["pid"]), str(holder["host"]), str(holder["address"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         # The holder took the lock but has not written its record yet (or wrote something else).
         return "a process that has not said which yet"
     where = "" if host == socket.gethostname() else f" on host {host}"

@@ -47,6 +47,7 @@ from fedlink.common.errors import (
     Unauthenticated,
     Unavailable,
 )
+from fedlink.common.files import FileLock
 from fedlink.common.version import PROTOCOL_VERSION
 from fedlink.runner.transport.backoff import Backoff
 from fedlink.runner.transport.base import (
@@ -59,7 +60,7 @@ from fedlink.runner.transport.base import (
     Transport,
     with_model_version,
 )
-from fedlink.runner.transport.state import Identity, StateDir, StateDirLock
+from fedlink.runner.transport.state import Identity, StateDir
 from fedlink.v1 import dxo_pb2, states_pb2
 from fedlink.v1 import runner_service_pb2 as pb
 from fedlink.v1 import runner_service_pb2_grpc as pb_grpc
@@ -147,7 +148,7 @@ class GrpcTransport(Transport):
     def __init__(self, config: GrpcTransportConfig) -> None:
         self.config = config
         self.state = StateDir(config.state_dir)
-        self._lock: StateDirLock | None = None
+        self._lock: FileLock | None = None
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.RunnerServiceAsyncStub | None = None
         self._identity: Identity | None = None

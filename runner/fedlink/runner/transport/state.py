@@ -11,7 +11,6 @@ the kernel releases it when the process ends, however it ends, so a crash never 
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -20,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedlink.common.errors import FailedPrecondition, InvalidArgument
-from fedlink.common.files import fsync_directory
+from fedlink.common.files import FileLock, LockHeld, fsync_directory
 
-__all__ = ["Identity", "PendingResults", "StateDir", "StateDirLock", "write_private"]
+__all__ = ["Identity", "PendingResults", "StateDir", "write_private"]
 
 _log = logging.getLogger(__name__)
 
@@ -83,33 +82,21 @@ class StateDir:
         """Where the identity is kept."""
         return self.path / "identity.json"
 
-    def lock(self) -> StateDirLock:
+    def lock(self) -> FileLock:
         """Takes the directory for this process, without waiting; release the lock when done with it.
 
         Raises:
             FailedPrecondition: another process holds it (the message names the directory and the
                 holder's pid), or the lock file cannot be created.
         """
-        path = self.path / "lock"
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        except OSError as exc:
-            raise FailedPrecondition(f"cannot create the lock file {path}: {exc.strerror}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            if not isinstance(exc, BlockingIOError):
-                raise FailedPrecondition(f"cannot lock {path}: {exc.strerror}") from None
+            return FileLock.take(self.path / "lock", str(os.getpid()))
+        except LockHeld as held:
             raise FailedPrecondition(
-                f"the runner state directory {self.path} is in use by another runner (pid {holder}): "
-                "two runners on one state directory would be one device; stop it, or give this runner "
-                "its own --state-dir"
+                f"the runner state directory {self.path} is in use by another runner "
+                f"(pid {held.record or 'unknown'}): two runners on one state directory would be one "
+                "device; stop it, or give this runner its own --state-dir"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return StateDirLock(path, fd)
 
     def load_identity(self) -> Identity | None:
         """The stored identity, or None if the device never started enrolling.
@@ -143,20 +130,6 @@ class StateDir:
             "server": identity.server,
         }
         write_private(self.identity_file, json.dumps(doc, indent=2).encode())
-
-
-class StateDirLock:
-    """A held state-directory lock (see :meth:`StateDir.lock`)."""
-
-    def __init__(self, path: Path, fd: int) -> None:
-        self.path = path
-        self._fd: int | None = fd
-
-    def release(self) -> None:
-        """Lets the directory go; safe to call twice."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)  # closing the descriptor releases the flock
 
 
 class PendingResults:
