@@ -9,6 +9,13 @@ Metadata values travel typed (see ``MetaValue`` in ``dxo.proto``): ``bool``, ``i
 ``float``, ``str`` and ``bytes`` as themselves; lists, tuples and dicts as a JSON document (strict JSON:
 no NaN or infinity inside them), which decodes back to lists and dicts. numpy scalars are accepted
 and sent as the matching Python type.
+
+Decoding a DXO from the wire first checks its structure against fixed limits (:data:`MAX_TENSORS`,
+:data:`MAX_ITEMS`, :data:`MAX_META_ENTRIES`, :data:`MAX_META_BYTES`, and
+:data:`~fedlink.common.json_limits.MAX_JSON_DEPTH` inside JSON values), before anything is decoded. They
+are far above what a model or its metrics need, and they are constants rather than settings because a
+DXO crosses the wire both ways and is read again from the store: a limit that one side could raise
+would let in DXOs that the other side refuses.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, NoReturn, TypeAlias
+from typing import Any, Final, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -26,6 +33,7 @@ from google.protobuf.message import DecodeError
 
 from fedlink.common import dtypes
 from fedlink.common.errors import InvalidArgument
+from fedlink.common.json_limits import load_json
 from fedlink.common.tensors import (
     MAX_TENSOR_ELEMENTS,
     TensorEncoding,
@@ -35,10 +43,31 @@ from fedlink.common.tensors import (
 )
 from fedlink.v1 import dxo_pb2
 
-__all__ = ["DXO", "DataKind", "MetaKey", "MetaValue", "weight_of"]
+__all__ = [
+    "DXO",
+    "MAX_ITEMS",
+    "MAX_META_BYTES",
+    "MAX_META_ENTRIES",
+    "MAX_TENSORS",
+    "DataKind",
+    "MetaKey",
+    "MetaValue",
+    "check_structure",
+    "parse_dxo",
+    "weight_of",
+]
 
 MetaValue: TypeAlias = int | float | str | bool | bytes | list[Any] | dict[str, Any]
 """A metadata value. Lists and dicts travel as JSON (``MetaValue.json_value``)."""
+
+MAX_TENSORS: Final[int] = 100_000
+"""Most tensors one DXO may carry, its items' included (a model's variables: a few thousand at most)."""
+MAX_ITEMS: Final[int] = 10_000
+"""Most nested DXOs one ``COLLECTION`` may hold, at every level together."""
+MAX_META_ENTRIES: Final[int] = 1_000
+"""Most metadata entries one DXO may carry, its items' included."""
+MAX_META_BYTES: Final[int] = 1024 * 1024
+"""Most bytes of metadata one DXO may carry, its items' included: keys and serialized values."""
 
 _INT64_MIN: Final[int] = -(2**63)
 _INT64_MAX: Final[int] = 2**63 - 1
@@ -130,8 +159,10 @@ class DXO:
 
         Raises:
             InvalidArgument: Unknown or unspecified kind, a malformed tensor or metadata value, items on
-                a kind other than ``COLLECTION``.
+                a kind other than ``COLLECTION``, or a limit of :func:`check_structure` exceeded
+                (checked before anything is decoded).
         """
+        check_structure(message)
         return cls._read(message, "", max_elements)
 
     def to_bytes(self) -> bytes:
@@ -148,12 +179,7 @@ class DXO:
         Raises:
             InvalidArgument: The bytes are not a valid ``Dxo`` message, or it does not decode.
         """
-        message = dxo_pb2.Dxo()
-        try:
-            message.ParseFromString(data)
-        except DecodeError as exc:
-            raise InvalidArgument(f"DXO bytes are not a valid fedlink.v1.Dxo message: {exc}") from None
-        return cls.from_proto(message, max_elements=max_elements)
+        return cls.from_proto(parse_dxo(data), max_elements=max_elements)
 
     def to_dict(self) -> dict[str, Any]:
         """NVFlare's dict form; for ``COLLECTION`` ``data`` holds the items' dicts. Arrays are not copied."""
@@ -279,6 +305,63 @@ class DXO:
         return cls(kind=kind, data=arrays, meta=dict(meta))
 
 
+def parse_dxo(data: bytes) -> dxo_pb2.Dxo:
+    """Parses serialized bytes into the wire message, decoding nothing (see :meth:`DXO.from_proto`).
+
+    Raises:
+        InvalidArgument: The bytes are not a valid ``Dxo`` message.
+    """
+    message = dxo_pb2.Dxo()
+    try:
+        message.ParseFromString(data)
+    except DecodeError as exc:
+        raise InvalidArgument(f"DXO bytes are not a valid fedlink.v1.Dxo message: {exc}") from None
+    return message
+
+
+def check_structure(message: dxo_pb2.Dxo) -> None:
+    """Checks a wire DXO against the limits on its structure, without decoding anything.
+
+    Raises:
+        InvalidArgument: More than :data:`MAX_TENSORS` tensors, :data:`MAX_ITEMS` items,
+            :data:`MAX_META_ENTRIES` metadata entries or :data:`MAX_META_BYTES` of metadata.
+    """
+    tally = _Tally()
+    pending = [message]
+    while pending:
+        current = pending.pop()
+        tally.count(tensors=len(current.data), items=len(current.items))
+        tally.count_meta(current.meta)
+        pending.extend(current.items.values())
+
+
+@dataclass(slots=True)
+class _Tally:
+    """What of a DXO's structure was read so far, refused as soon as it passes a limit."""
+
+    tensors: int = 0
+    items: int = 0
+    meta_entries: int = 0
+    meta_bytes: int = 0
+
+    def count(self, *, tensors: int = 0, items: int = 0) -> None:
+        self.tensors += tensors
+        self.items += items
+        if self.tensors > MAX_TENSORS:
+            raise InvalidArgument(f"DXO: more than the limit of {MAX_TENSORS} tensors in one DXO")
+        if self.items > MAX_ITEMS:
+            raise InvalidArgument(f"DXO: more than the limit of {MAX_ITEMS} items in one DXO")
+
+    def count_meta(self, meta: Mapping[str, dxo_pb2.MetaValue]) -> None:
+        self.meta_entries += len(meta)
+        if self.meta_entries > MAX_META_ENTRIES:
+            raise InvalidArgument(f"DXO: more than the limit of {MAX_META_ENTRIES} meta entries in one DXO")
+        # ByteSize() measures a value without copying it out of the message.
+        self.meta_bytes += sum(len(key.encode()) + value.ByteSize() for key, value in meta.items())
+        if self.meta_bytes > MAX_META_BYTES:
+            raise InvalidArgument(f"DXO: more than the limit of {MAX_META_BYTES} bytes of meta in one DXO")
+
+
 def weight_of(dxo: DXO) -> float:
     """The aggregation weight of a result: ``meta.num_examples``, else ``meta.num_steps_current_round``.
 
@@ -345,10 +428,8 @@ def _read_meta(value: dxo_pb2.MetaValue, key: str) -> MetaValue:
     if which == "bytes_value":
         return value.bytes_value
     if which == "json_value":
-        try:
-            decoded: MetaValue = json.loads(value.json_value, parse_constant=_reject_constant)
-        except ValueError as exc:
-            raise InvalidArgument(f"meta {key!r}: json_value is not valid JSON: {exc}") from None
+        # Its size is bounded with all of the DXO's meta (check_structure), its depth here.
+        decoded: MetaValue = load_json(value.json_value, what=f"meta {key!r}: json_value")
         return decoded
     raise InvalidArgument(f"meta {key!r}: no value set (one of int, double, string, bool, bytes, json)")
 
@@ -358,10 +439,6 @@ def _json_default(value: object) -> object:
     if isinstance(value, np.ndarray | np.generic):
         return value.tolist()
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
-
-
-def _reject_constant(name: str) -> NoReturn:
-    raise ValueError(f"{name} is not valid JSON")
 
 
 def _mapping(value: object, what: str, path: str) -> Mapping[str, Any]:

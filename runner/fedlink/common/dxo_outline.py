@@ -12,26 +12,40 @@ a known field with an unexpected wire type (an unknown field, as the runtime tre
 unpacked ``shape``, repeated map entries (the last wins) and a message field given twice (merged). On
 top of that it checks what :meth:`DXO.from_proto <fedlink.common.dxo.DXO.from_proto>` checks, except that
 it does not decode tensor values: the only values it reads are sparse indices (in range, strictly
-increasing), chunk by chunk. Every problem raises :class:`~fedlink.common.errors.InvalidArgument`.
+increasing), chunk by chunk. The limits on a DXO's structure (see
+:func:`~fedlink.common.dxo.check_structure`) are kept while it reads. Every problem raises
+:class:`~fedlink.common.errors.InvalidArgument`.
+
+:class:`DeclaredDxo` is a message already parsed, seen by what it declares of each tensor before
+anything is decoded, so that a DXO can be checked against what it should be (a model's variables)
+before :meth:`DXO.from_proto <fedlink.common.dxo.DXO.from_proto>` builds any array.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
 import numpy as np
+from google.protobuf.internal.containers import MessageMap
 from google.protobuf.message import DecodeError
 
 from fedlink.common import dtypes
 from fedlink.common.dtypes import FLOAT_DTYPES
-from fedlink.common.dxo import DataKind, MetaValue, _read_meta
+from fedlink.common.dxo import DXO, DataKind, MetaValue, _read_meta, _Tally, check_structure, parse_dxo
 from fedlink.common.errors import InvalidArgument
-from fedlink.common.tensors import MAX_TENSOR_ELEMENTS, TensorEncoding, element_count
+from fedlink.common.tensors import (
+    MAX_TENSOR_ELEMENTS,
+    TensorEncoding,
+    check_sparse_count,
+    element_count,
+    tensor_encoding,
+)
 from fedlink.v1 import dxo_pb2
 
-__all__ = ["DxoOutline", "TensorOutline", "read_outline"]
+__all__ = ["DeclaredDxo", "DxoOutline", "TensorOutline", "read_outline"]
 
 #: Chunks the reader asks for from an offset: ``open_at(offset)`` yields the bytes from there on.
 OpenAt = Callable[[int], AsyncIterator[bytes]]
@@ -65,6 +79,11 @@ class TensorOutline:
         """The dtype the decoded array has (what :meth:`DXO.from_bytes` would give)."""
         return dtypes.decoded_dtype(self.dtype)
 
+    @property
+    def decoded_nbytes(self) -> int:
+        """The size of the decoded array in bytes."""
+        return math.prod(self.shape) * self.decoded_dtype.itemsize
+
 
 @dataclass(frozen=True, slots=True)
 class DxoOutline:
@@ -74,6 +93,12 @@ class DxoOutline:
     tensors: dict[str, TensorOutline]
     meta: dict[str, MetaValue]
     items: dict[str, DxoOutline]
+
+    def decoded_nbytes(self) -> int:
+        """The size in bytes of the arrays this DXO decodes to, its items' included."""
+        return sum(t.decoded_nbytes for t in self.tensors.values()) + sum(
+            i.decoded_nbytes() for i in self.items.values()
+        )
 
 
 async def read_outline(
@@ -92,16 +117,97 @@ async def read_outline(
         InvalidArgument: Exactly when :meth:`DXO.from_bytes` would, the message naming what is wrong.
     """
     source = _Source(open_at, seek_bytes)
+    tally = _Tally()
     try:
         message = _Message()
-        await _parse_dxo(source, size_bytes, message, 0)
+        await _parse_dxo(source, size_bytes, message, 0, tally)
         if source.offset != size_bytes:  # pragma: no cover - _parse_dxo reads up to its end exactly
             raise _Malformed("the message does not end where its length says")
     except _Malformed as exc:
         raise InvalidArgument(f"DXO bytes are not a valid fedlink.v1.Dxo message: {exc}") from None
     finally:
         await source.close()
-    return _finish(message, "", max_elements)
+    return _finish(message, "", max_elements, tally)
+
+
+class DeclaredDxo:
+    """A parsed wire DXO, not decoded yet: its kind, and each tensor as declared (outlined on lookup).
+
+    For checking a DXO against what it should be (a model's variables) before :meth:`decode` builds
+    any array; decoding then allocates no more than the tensors declare. The limits on the DXO's
+    structure (:func:`~fedlink.common.dxo.check_structure`), its kind, and that only a ``COLLECTION``
+    has items are checked when it is made; each tensor's dtype, shape and encoding when it is looked
+    up in :attr:`tensors` (so that a check can stop at the first wrong one); the tensors' byte lengths
+    and values, and the metadata, when it is decoded.
+    """
+
+    def __init__(self, message: dxo_pb2.Dxo, *, max_elements: int = MAX_TENSOR_ELEMENTS) -> None:
+        """Raises InvalidArgument if ``message`` exceeds a limit or has the wrong kind for items."""
+        check_structure(message)
+        self.kind = _kind(message.kind, "")
+        if message.items and self.kind != DataKind.COLLECTION:
+            raise InvalidArgument(f"DXO: items are only for COLLECTION, not {self.kind}")
+        self._message = message
+        self._max_elements = max_elements
+        #: The top level's tensors by name, each outlined when looked up.
+        self.tensors: Mapping[str, TensorOutline] = _DeclaredTensors(message.data, "", max_elements)
+
+    @classmethod
+    def parse(cls, data: bytes, *, max_elements: int = MAX_TENSOR_ELEMENTS) -> DeclaredDxo:
+        """Parses serialized bytes of a ``Dxo`` message, decoding nothing.
+
+        Raises:
+            InvalidArgument: Not a valid ``Dxo`` message, or as the constructor.
+        """
+        return cls(parse_dxo(data), max_elements=max_elements)
+
+    def decoded_nbytes(self) -> int:
+        """The size in bytes of the arrays :meth:`decode` would build, its items' included.
+
+        Raises:
+            InvalidArgument: A tensor's dtype or shape is malformed.
+        """
+        total = 0
+        pending: list[tuple[dxo_pb2.Dxo, str]] = [(self._message, "")]
+        while pending:
+            message, path = pending.pop()
+            total += sum(
+                t.decoded_nbytes for t in _DeclaredTensors(message.data, path, self._max_elements).values()
+            )
+            pending.extend((item, f"{path}{name}/") for name, item in message.items.items())
+        return total
+
+    def decode(self) -> DXO:
+        """The DXO (see :meth:`DXO.from_proto <fedlink.common.dxo.DXO.from_proto>`).
+
+        Raises:
+            InvalidArgument: As :meth:`DXO.from_proto`.
+        """
+        return DXO.from_proto(self._message, max_elements=self._max_elements)
+
+
+class _DeclaredTensors(Mapping[str, TensorOutline]):
+    """A wire DXO's tensors by name, each outlined (dtype, shape, encoding checked) when looked up."""
+
+    def __init__(self, data: MessageMap[str, dxo_pb2.Tensor], path: str, max_elements: int) -> None:
+        self._data = data
+        self._path = path
+        self._max_elements = max_elements
+
+    def __getitem__(self, name: str) -> TensorOutline:
+        if name not in self._data:  # a lookup would add the entry to the map
+            raise KeyError(name)
+        tensor = self._data[name]
+        label = self._path + name
+        element_count(tensor.dtype, tensor.shape, name=label, max_elements=self._max_elements)
+        encoding = tensor_encoding(tensor, name=label)
+        return TensorOutline(dtype=tensor.dtype, shape=tuple(tensor.shape), encoding=encoding)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
 
 
 class _Malformed(Exception):
@@ -312,7 +418,7 @@ def _int64(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-async def _parse_dxo(source: _Source, end: int, message: _Message, depth: int) -> None:
+async def _parse_dxo(source: _Source, end: int, message: _Message, depth: int, tally: _Tally) -> None:
     if depth >= _DEPTH:
         raise _Malformed("nested too deeply")
     while source.offset < end:
@@ -327,6 +433,9 @@ async def _parse_dxo(source: _Source, end: int, message: _Message, depth: int) -
 
             name = await _map_entry(source, await _end_of(source, end), tensor_value, depth)
             if name is not None:
+                # Counted as they come, so that no more than the limit is ever kept (a repeated key
+                # replaces its entry, as in the runtime's map).
+                tally.count(tensors=int(name not in message.tensors))
                 message.tensors[name] = tensor
         elif number == 3 and wire_type == _LEN:
             entry = await source.take(await _length(source, end))
@@ -335,10 +444,11 @@ async def _parse_dxo(source: _Source, end: int, message: _Message, depth: int) -
             item = _Message()
 
             async def item_value(value_end: int, item: _Message = item) -> None:
-                await _parse_dxo(source, value_end, item, depth + 1)
+                await _parse_dxo(source, value_end, item, depth + 1, tally)
 
             name = await _map_entry(source, await _end_of(source, end), item_value, depth)
             if name is not None:
+                tally.count(items=int(name not in message.items))
                 message.items[name] = item
         else:
             await _skip_field(source, number, wire_type, end, depth)
@@ -458,12 +568,8 @@ def _encode_varint(value: int) -> bytes:
 # ---- the checks DXO.from_proto makes ----
 
 
-def _finish(message: _Message, path: str, max_elements: int) -> DxoOutline:
-    kind = _KIND_FROM_PROTO.get(message.kind)
-    if kind is None:
-        raise InvalidArgument(
-            f"{_where(path)}unknown or unspecified kind {message.kind}; expected one of {', '.join(DataKind)}"
-        )
+def _finish(message: _Message, path: str, max_elements: int, tally: _Tally) -> DxoOutline:
+    kind = _kind(message.kind, path)
     if message.items and kind != DataKind.COLLECTION:
         raise InvalidArgument(f"{_where(path)}items are only for COLLECTION, not {kind}")
     tensors = {
@@ -474,9 +580,21 @@ def _finish(message: _Message, path: str, max_elements: int) -> DxoOutline:
         meta_message.ParseFromString(bytes(message.meta))
     except DecodeError as exc:
         raise InvalidArgument(f"DXO bytes are not a valid fedlink.v1.Dxo message: {exc}") from None
+    tally.count_meta(meta_message.meta)
     meta = {key: _read_meta(value, path + key) for key, value in meta_message.meta.items()}
-    items = {name: _finish(item, f"{path}{name}/", max_elements) for name, item in message.items.items()}
+    items = {
+        name: _finish(item, f"{path}{name}/", max_elements, tally) for name, item in message.items.items()
+    }
     return DxoOutline(kind=kind, tensors=tensors, meta=meta, items=items)
+
+
+def _kind(value: int, path: str) -> DataKind:
+    kind = _KIND_FROM_PROTO.get(value)
+    if kind is None:
+        raise InvalidArgument(
+            f"{_where(path)}unknown or unspecified kind {value}; expected one of {', '.join(DataKind)}"
+        )
+    return kind
 
 
 def _finish_tensor(tensor: _Tensor, name: str, max_elements: int) -> TensorOutline:
@@ -511,6 +629,7 @@ def _check_sparse(tensor: _Tensor, count: int, itemsize: int, name: str) -> None
     if indices.first < 0 or indices.last >= count:
         bad = indices.first if indices.first < 0 else indices.last
         raise InvalidArgument(f"{_label(name)}sparse index {bad} is out of range [0, {count})")
+    check_sparse_count(k, count, name)
     if indices.disorder is not None:
         at, value, previous = indices.disorder
         raise InvalidArgument(

@@ -37,6 +37,7 @@ __all__ = [
     "MAX_TENSOR_ELEMENTS",
     "SUPPORTED_DTYPES",
     "TensorEncoding",
+    "check_sparse_count",
     "decode_tensor",
     "element_count",
     "encode_tensor",
@@ -228,6 +229,7 @@ def _decode_sparse(
         if indices[0] < 0 or indices[-1] >= count:
             bad = int(indices[(indices < 0) | (indices >= count)][0])
             raise InvalidArgument(f"{_label(name)}sparse index {bad} is out of range [0, {count})")
+        check_sparse_count(k, count, name)  # before the ordering check reads every index
         if k > 1:
             steps = np.flatnonzero(indices[1:] <= indices[:-1])
             if steps.size:
@@ -240,6 +242,16 @@ def _decode_sparse(
     dense = np.zeros(count, dtype=wire)
     dense[indices] = values
     return _to_host(dense, dtype_name)
+
+
+def check_sparse_count(k: int, count: int, name: str = "") -> None:
+    """Refuses more sparse indices than the dense tensor has elements (before any is read).
+
+    Raises:
+        InvalidArgument: ``k`` exceeds ``count``.
+    """
+    if k > count:
+        raise InvalidArgument(f"{_label(name)}{k} sparse indices for a tensor of {count} elements")
 
 
 def _to_host(array: npt.NDArray[np.generic], dtype_name: str) -> npt.NDArray[np.generic]:

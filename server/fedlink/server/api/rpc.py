@@ -1,10 +1,11 @@
 """Builds gRPC handlers for a service from its descriptor and an implementation object.
 
 Every method goes through the same path: decode the request (bytes that are not valid protobuf get
-INVALID_ARGUMENT, not the UNKNOWN/INTERNAL grpc would give), authenticate the caller, run the
-implementation, map fedlink errors to status codes, and record metrics. Implementations are plain async
-methods named like the RPCs, taking ``(request, call)`` and returning the response (or, for server
-streams, an async iterator of responses; for client streams, ``request`` is an async iterator).
+INVALID_ARGUMENT, not the UNKNOWN/INTERNAL grpc would give), authenticate the caller, check that its
+Durations are in range, run the implementation, map fedlink errors to status codes, and record
+metrics. Implementations are plain async methods named like the RPCs, taking ``(request, call)`` and
+returning the response (or, for server streams, an async iterator of responses; for client streams,
+``request`` is an async iterator).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
 from fedlink.common.errors import FedlinkError, InvalidArgument
+from fedlink.server.api.durations import DurationPath, check_durations, duration_paths
 from fedlink.server.api.errors import status_code_for
 from fedlink.server.domain import Device
 from fedlink.server.logs import bind_task
@@ -112,6 +114,7 @@ class _Guard:
         authenticate: Authenticator,
         observer: RpcObserver | None,
         logged: tuple[str, ...] = (),
+        durations: tuple[DurationPath, ...] = (),
     ) -> None:
         self.service = service
         self.method = method
@@ -119,14 +122,17 @@ class _Guard:
         self.observer = observer
         #: The fields of _LOGGED_FIELDS this method's request has.
         self.logged = logged
+        #: Where this method's request holds Durations, each checked in range before the method runs.
+        self.durations = durations
 
     async def begin(self, request: object, context: grpc.aio.ServicerContext[Any, Any]) -> Call:
         if isinstance(request, _Malformed):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{self.method}: the request is not a valid protobuf message ({request.error})",
+            raise InvalidArgument(
+                f"{self.method}: the request is not a valid protobuf message ({request.error})"
             )
         principal = await self.authenticate(bearer_token(context), self.method)
+        if self.durations and isinstance(request, pb_message.Message):
+            check_durations(request, self.durations)
         # Every log line of this call carries who and what it is about (the call runs in its own task).
         fields: dict[str, object] = {}
         if request is not None:
@@ -142,10 +148,10 @@ class _Guard:
     def resolve(
         self, error: Exception, context: grpc.aio.ServicerContext[Any, Any]
     ) -> tuple[grpc.StatusCode, str | None]:
-        """The status that reports ``error``, and the message to abort with (None: already aborted).
+        """The status that reports ``error``, and its message (None: a ``context.abort()`` sent it).
 
-        An abort of ours is already a status and passes through; anything else unexpected is logged
-        and reported as INTERNAL, never as grpc's UNKNOWN.
+        An abort is already a status and passes through; anything else unexpected is logged and
+        reported as INTERNAL, never as grpc's UNKNOWN.
         """
         if isinstance(error, FedlinkError):
             return status_code_for(error), error.message
@@ -154,6 +160,21 @@ class _Guard:
             return current, None  # context.abort() already set the status
         log.error("unexpected error in %s", self.method, exc_info=error)
         return grpc.StatusCode.INTERNAL, f"{self.method} failed unexpectedly; see the coordinator log"
+
+    def fail(self, error: Exception, context: grpc.aio.ServicerContext[Any, Any]) -> grpc.StatusCode:
+        """Ends the call with the status that reports ``error`` (re-raises an abort's own error).
+
+        The status is set on the call, not sent with ``context.abort()``: abort raises an AbortError
+        that grpc keeps on the call's state and whose traceback holds the handler's frame, request
+        included, in a reference cycle with that state. Every refused request (a refused payload of
+        hundreds of MiB too) then stayed in memory until the cyclic collector ran.
+        """
+        code, message = self.resolve(error, context)
+        if message is None:
+            raise error
+        context.set_code(code)
+        context.set_details(message)
+        return code
 
     def done(self, code: grpc.StatusCode, started: float) -> None:
         if self.observer is not None:
@@ -169,10 +190,8 @@ def _unary(guard: _Guard, impl: Callable[..., Awaitable[Any]], *, streamed: bool
             code = grpc.StatusCode.OK
             return response
         except Exception as exc:
-            code, message = guard.resolve(exc, context)
-            if message is not None:
-                await context.abort(code, message)
-            raise
+            code = guard.fail(exc, context)
+            return None
         finally:
             guard.done(code, started)
 
@@ -188,10 +207,7 @@ def _server_stream(guard: _Guard, impl: Callable[..., AsyncIterator[Any]]) -> Ca
                 yield item
             code = grpc.StatusCode.OK
         except Exception as exc:
-            code, message = guard.resolve(exc, context)
-            if message is not None:
-                await context.abort(code, message)
-            raise
+            code = guard.fail(exc, context)
         finally:
             guard.done(code, started)
 
@@ -235,7 +251,8 @@ def _handler_for(
     observer: RpcObserver | None,
 ) -> grpc.RpcMethodHandler[Any, Any]:
     logged = tuple(name for name in _LOGGED_FIELDS if name in method.input_type.fields_by_name)
-    guard = _Guard(service.name, method.name, authenticate, observer, logged)
+    durations = duration_paths(method.input_type)
+    guard = _Guard(service.name, method.name, authenticate, observer, logged, durations)
     request_cls = message_factory.GetMessageClass(method.input_type)
     parse = _deserializer(request_cls)
     if method.client_streaming and not method.server_streaming:

@@ -8,6 +8,7 @@ from datetime import UTC
 from fedlink.common.errors import InvalidArgument
 from fedlink.common.status import DeviceStatus
 from fedlink.common.version import PROTOCOL_VERSION
+from fedlink.server.api.durations import duration_field
 from fedlink.server.api.rpc import Call
 from fedlink.server.api.uploads import split_upload
 from fedlink.server.domain import Device, ResultStatus
@@ -80,7 +81,7 @@ class RunnerServicer:
     async def GetTask(self, request: pb.GetTaskRequest, call: Call) -> pb.GetTaskResponse:
         if not request.job_id:
             raise InvalidArgument("job_id is required")
-        wait = request.wait_timeout.ToTimedelta() if request.HasField("wait_timeout") else None
+        wait = duration_field(request, "wait_timeout")
         reply = await self._protocol.get_task(
             self._device(call), job_id=request.job_id, cookie=request.cookie, wait=wait
         )

@@ -48,7 +48,13 @@ class Batcher(Generic[Req, Resp]):
             self._runner = asyncio.create_task(self._drain())
         # A caller that gives up cancels its own future only: the batch runs in the drain task, which
         # skips futures that are done (no shield needed, and a shield per call cost a future more).
-        return await future
+        try:
+            return await future
+        finally:
+            # An error raised from the future holds this frame in its traceback, and the future holds
+            # the error: a reference cycle that kept the request (a report's payload) alive until the
+            # cyclic collector ran. Without the frame's references the error is freed with its caller.
+            del future, request
 
     async def _drain(self) -> None:
         company = False  # the last batch had more than one request: callers are arriving together
@@ -74,7 +80,11 @@ class Batcher(Generic[Req, Resp]):
                 if fut.done():
                     continue
                 if isinstance(outcome, BaseException):
-                    fut.set_exception(outcome)
+                    # Without the handler's frames: an error kept in a list of one of them (as a store
+                    # batch keeps its reports' outcomes) is in a reference cycle with that frame, and
+                    # raised here its traceback would pull the caller's frames (a report's payload)
+                    # into the cycle, kept until the cyclic collector ran.
+                    fut.set_exception(outcome.with_traceback(None))
                 else:
                     fut.set_result(outcome)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from fedlink.common.dxo import DataKind
 from fedlink.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from fedlink.common.json_limits import load_json
 from fedlink.server.coordination.model_outlines import ModelOutlines
 from fedlink.server.coordination.notify import TaskNotifier
 from fedlink.server.coordination.workflow_catalog import WorkflowCatalog
@@ -27,6 +28,8 @@ from fedlink.server.protocol.transfers import check_sha256
 from fedlink.server.store import NewJob, Page, StateStore
 
 _MAX_NAME = 128
+#: Largest job_data accepted: a runner configuration of components, a few KiB in practice.
+MAX_JOB_DATA_BYTES = 1024 * 1024
 _SUBMIT_SCOPE = "control.submit_job"
 
 
@@ -74,13 +77,11 @@ class ModelLocation:
 
 
 def check_job_data(job_data: str) -> None:
-    """Checks that ``job_data`` is a JSON object (the runner checks its components)."""
+    """Checks that ``job_data`` is a JSON object of at most :data:`MAX_JOB_DATA_BYTES` nesting at most
+    :data:`~fedlink.common.json_limits.MAX_JSON_DEPTH` deep (the runner checks its components)."""
     if not job_data:
         return
-    try:
-        doc = json.loads(job_data)
-    except ValueError as exc:
-        raise InvalidArgument(f"job_data is not valid JSON: {exc}") from exc
+    doc = load_json(job_data, what="job_data", max_bytes=MAX_JOB_DATA_BYTES, strict=False)
     if not isinstance(doc, dict):
         raise InvalidArgument("job_data must be a JSON object")
 
@@ -164,6 +165,14 @@ class ControlProtocol:
         model = await self._outlines.outline(sha256)
         if model.kind is not DataKind.WEIGHTS or not model.tensors:
             raise InvalidArgument("the initial model must be a WEIGHTS DXO with at least one variable")
+        # Updates are checked against the model: its decoded size bounds what a device can make the
+        # coordinator decode (a sparse tensor of a few bytes can declare any shape).
+        decoded = model.decoded_nbytes()
+        if decoded > self._max_model_bytes:
+            raise InvalidArgument(
+                f"the initial model decodes to {decoded} bytes, "
+                f"more than the limit of {self._max_model_bytes}"
+            )
         return blob.size_bytes
 
     async def describe_job(self, job_id: str) -> JobView:
