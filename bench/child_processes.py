@@ -12,6 +12,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from bench.orphans import tied
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -49,7 +51,7 @@ class ServerProcess:
         self._ready.unlink(missing_ok=True)
         with self._stderr.open("wb") as stderr:
             self._process = await asyncio.create_subprocess_exec(
-                sys.executable,
+                *tied([sys.executable]),
                 "-m",
                 self._module,
                 "--ready-file",
@@ -103,7 +105,7 @@ class LoadProcess:
     async def __aenter__(self) -> LoadProcess:
         with self._stderr.open("wb") as stderr:
             self._process = await asyncio.create_subprocess_exec(
-                sys.executable,
+                *tied([sys.executable]),
                 "-m",
                 "bench.device_load",
                 json.dumps(self._spec),
@@ -182,7 +184,7 @@ class Profiler:
         for fmt, suffix in (("flamegraph", "svg"), ("raw", "txt")):
             self._processes.append(
                 await asyncio.create_subprocess_exec(
-                    str(py_spy),
+                    *tied([str(py_spy)]),
                     "record",
                     "--pid",
                     str(self._pid),

@@ -2,7 +2,8 @@
 
 Flower runs in its own cached venv (``bench/.cache/flower-venv``: it pins protobuf < 7 and its own Ray,
 which fedlink's venv cannot hold), one configuration per fresh subprocess running
-``bench/flower_app/run_config.py``. Standard library only, so any Python can import ``run_flower``.
+``bench/flower_app/run_config.py``. Standard library only (``bench.orphans`` is too), so any Python can
+import ``run_flower``.
 
 What is measured:
 
@@ -43,6 +44,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench.orphans import tied
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / "bench" / ".cache" / "flower-venv"
@@ -114,7 +117,7 @@ def _installed_flower(python: Path) -> str | None:
     if not python.exists():
         return None
     done = subprocess.run(
-        [str(python), "-c", "import flwr, ray; print(flwr.__version__)"],
+        tied([str(python), "-c", "import flwr, ray; print(flwr.__version__)"]),
         capture_output=True,
         text=True,
         check=False,
@@ -123,7 +126,12 @@ def _installed_flower(python: Path) -> str | None:
 
 
 def _pip(python: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(python), "-m", "pip", *args], capture_output=True, text=True, check=False)
+    return subprocess.run(
+        tied([str(python), "-m", "pip", *args]),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
 
 
 def _loud(message: str) -> None:
@@ -152,7 +160,10 @@ def ensure_flower_venv(venv: Path = VENV) -> FlowerEnv:
         if not python.exists():
             print(f"creating {venv} (first use; takes a minute)", file=sys.stderr, flush=True)
             made = subprocess.run(
-                ["python3.11", "-m", "venv", str(venv)], capture_output=True, text=True, check=False
+                tied(["python3.11", "-m", "venv", str(venv)]),
+                capture_output=True,
+                text=True,
+                check=False,
             )
             if made.returncode != 0:
                 raise BaselineError(f"python3.11 -m venv {venv} failed: {made.stderr.strip()}")
@@ -376,7 +387,8 @@ def run_flower(
     with tempfile.TemporaryDirectory(prefix="flower-baseline-") as scratch:
         out_path, err_path = Path(scratch) / "stdout", Path(scratch) / "stderr"
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            process = subprocess.Popen(command, stdout=out, stderr=err, env=child_env, cwd=scratch)
+            # Tied to this process; the Ray processes it starts share its fate (Ray sees to that).
+            process = subprocess.Popen(tied(command), stdout=out, stderr=err, env=child_env, cwd=scratch)
         tree = ProcessTree(process.pid, tag, workdir=Path(scratch).resolve())
         deadline = time.monotonic() + timeout_s
         timed_out = False

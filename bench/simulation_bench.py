@@ -47,6 +47,7 @@ from bench.flower_baseline import (
     parse_sizes,
     sample_tree,
 )
+from bench.orphans import tied
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_MARKER = "FEDLINK_SIM_RESULT "
@@ -119,7 +120,7 @@ def run_fedlink(devices: int, floats: int, rounds: int, timeout_s: float) -> dic
     with tempfile.TemporaryDirectory(prefix="fedlink-sim-bench-") as scratch:
         out_path, err_path = Path(scratch) / "stdout", Path(scratch) / "stderr"
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            process = subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=ROOT)
+            process = subprocess.Popen(tied(command), stdout=out, stderr=err, env=env, cwd=ROOT)
         tree = ProcessTree(process.pid, tag)
         deadline = time.monotonic() + timeout_s
         while process.poll() is None:

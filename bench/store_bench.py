@@ -47,6 +47,11 @@ from fedlink.server.store.dialect import create_engine
 from fedlink.server.store.protocol import ClaimRequest, NewJob, NewTask, ResultReport
 from fedlink.server.store.sql import SqlStateStore, create_store
 
+if __package__ in (None, ""):
+    # Run as a script (``python bench/store_bench.py``): bench/ is on the path, not the checkout.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.orphans import die_with_multiprocessing_parent
+
 PG_ADMIN_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
 LEASE = timedelta(minutes=30)
 PAYLOAD = b"w" * 256
@@ -335,6 +340,8 @@ def worker_process(
     stop: Event,
 ) -> None:
     """Entry point of one worker process: set up, wait for the start signal, run until stopped."""
+    # A parent killed by a timeout must not leave its workers claiming tasks: they die with it.
+    die_with_multiprocessing_parent()
     asyncio.run(_worker_main(url, job_id, run_id, groups, config, counters, ready, start, stop))
 
 

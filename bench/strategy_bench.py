@@ -79,6 +79,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from bench.orphans import die_with_multiprocessing_parent
 from bench.proc_stats import memory_use
 from fedlink.common.dxo import DXO, DataKind, MetaKey
 from fedlink.server.domain import Task, TaskState
@@ -544,6 +545,7 @@ def robust_child(job: RobustJob) -> dict[str, Any]:
 
 
 def _child_entry(send: Connection, job: RobustJob) -> None:
+    die_with_multiprocessing_parent()  # a bench killed by a timeout leaves no child computing on
     try:
         record: dict[str, Any] = robust_child(job)
     except BaseException:  # reported to the parent, which stops the bench

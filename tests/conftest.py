@@ -1,8 +1,10 @@
-"""Fixtures shared by the whole suite: where the checkout and the test interpreter's scripts are."""
+"""Fixtures shared by the whole suite: where the checkout and the test interpreter's scripts are, and
+the background load of ``FEDLINK_TEST_LOAD``."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,11 +22,64 @@ if str(ROOT) not in sys.path:
     # bench/ holds scripts run from the repository root (python -m bench.X), not an installed package.
     sys.path.insert(0, str(ROOT))
 
+from bench.orphans import tied  # noqa: E402  (needs the path above)
+
+#: How many CPU-bound processes run beside the session (the process tests must pass on a loaded machine).
+LOAD_VARIABLE = "FEDLINK_TEST_LOAD"
+#: pytest-timeout's ceiling for a ``slow`` test that sets none (pyproject's 120 s is for in-process
+#: tests). A process test waits for what it needs with deadlines of its own, far beyond normal; this
+#: only ends a hang, and must not end a slow start on a loaded machine first.
+SLOW_TEST_TIMEOUT_S = 600
+
+
+def _background_load() -> int:
+    value = os.environ.get(LOAD_VARIABLE, "").strip() or "0"
+    try:
+        count = int(value)
+    except ValueError:
+        raise pytest.UsageError(f"{LOAD_VARIABLE}={value!r}: expected a number of busy processes") from None
+    if count < 0:
+        raise pytest.UsageError(f"{LOAD_VARIABLE}={value!r}: expected a number of busy processes")
+    return count
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Gives every ``slow`` test without a ``timeout`` marker of its own the slow tests' ceiling."""
+    for item in items:
+        if item.get_closest_marker("slow") is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SLOW_TEST_TIMEOUT_S))
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    """Says when the session runs beside a background load."""
+    count = _background_load()
+    return f"{LOAD_VARIABLE}={count}: {count} CPU-bound processes run beside the tests" if count else None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_load() -> Iterator[int]:
+    """``FEDLINK_TEST_LOAD=N``: N CPU-bound processes, each a core's worth of busy loop, for the whole
+    session (a machine loaded by other work); they die with the session, however it ends."""
+    busy = [
+        subprocess.Popen(
+            tied([sys.executable, "-c", "while True: pass"]),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
+        for _ in range(_background_load())
+    ]
+    try:
+        yield len(busy)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+
 
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     """The root of the checkout under test."""
-    return Path(__file__).resolve().parent.parent
+    return ROOT
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from bench.orphans import tied
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -184,10 +186,10 @@ def holders(tmp_path: Path) -> Iterator[Holders]:
     ready = [tmp_path / name for name in ("root", "tagged", "cwd")]
     command = [sys.executable, str(script), "64", str(ready[0])]
     command += [f"48:{ready[1]}:env", f"32:{ready[2]}:cwd"]
-    root = subprocess.Popen(command, env=os.environ | {baseline.TAG_VARIABLE: tag}, cwd=workdir)
+    root = subprocess.Popen(tied(command), env=os.environ | {baseline.TAG_VARIABLE: tag}, cwd=workdir)
     tree = baseline.ProcessTree(root.pid, tag, workdir)
     try:
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 120  # three interpreters starting: seconds, more on a loaded machine
         while not all(path.exists() for path in ready):
             assert time.monotonic() < deadline and root.poll() is None, "the holder processes did not start"
             time.sleep(0.05)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -233,3 +234,37 @@ def _wrapped(argument: ast.expr, wrapped_names: set[str]) -> bool:
     """Whether a started command is wrapped, directly or through a name assigned a wrapped one."""
     value = argument.value if isinstance(argument, ast.Starred) else argument
     return _wraps(value) or (isinstance(value, ast.Name) and value.id in wrapped_names)
+
+
+def test_every_process_that_bench_and_tests_start_is_tied_to_its_parent() -> None:
+    untied: list[str] = []
+    for path in sorted(p for folder in ("bench", "tests") for p in (ROOT / folder).rglob("*.py")):
+        name = str(path.relative_to(ROOT))
+        if name in NOT_YET_TIED:
+            continue
+        source = path.read_text()
+        tree = ast.parse(source)
+        wrapped_names = {
+            target.id
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Assign) and _wraps(node.value)
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        }
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+                and (node.func.value.id, node.func.attr) in STARTERS
+                and not (node.args and _wrapped(node.args[0], wrapped_names))
+            ):
+                untied.append(f"{name}:{node.lineno}: {ast.unparse(node.func)}() of a command not tied()")
+        # A multiprocessing child ties itself, first thing in its target.
+        spawns = "multiprocessing" in source and re.search(r"\.Process\(", source)
+        if spawns and "die_with_multiprocessing_parent()" not in source:
+            untied.append(
+                f"{name}: starts multiprocessing children that do not die_with_multiprocessing_parent()"
+            )
+    listed = "\n".join(untied)
+    assert not untied, f"processes that would outlive a killed parent (see bench/orphans.py):\n{listed}"

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.orphans import tied
+
 ROOT = Path(__file__).resolve().parents[2]
 PG_URL = os.environ.get("FEDLINK_TEST_PG_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
 
@@ -23,14 +25,24 @@ def _positive_latencies(result: dict[str, object], kinds: tuple[str, ...]) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
 def test_quick_run_measures_every_part_and_passes_its_checks(tmp_path: Path) -> None:
     out = tmp_path / "protocol.json"
     done = subprocess.run(
-        [sys.executable, "-m", "bench.protocol_bench", "--quick", "--json", str(out), "--postgres", PG_URL],
+        tied(
+            [
+                sys.executable,
+                "-m",
+                "bench.protocol_bench",
+                "--quick",
+                "--json",
+                str(out),
+                "--postgres",
+                PG_URL,
+            ]
+        ),
         capture_output=True,
         text=True,
-        timeout=280,
+        timeout=540,  # below the slow tests' 600 s ceiling (tests/conftest.py)
         cwd=ROOT,
     )
     assert done.returncode == 0, done.stdout + done.stderr
@@ -72,7 +84,6 @@ def test_quick_run_measures_every_part_and_passes_its_checks(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
 def test_hand_written_model_bytes_are_what_protobuf_serializes() -> None:
     # The 1 GB model is written without building the message; its layout must be protobuf's own.
     code = (
@@ -85,7 +96,13 @@ def test_hand_written_model_bytes_are_what_protobuf_serializes() -> None:
         "    assert list(dxo_pb2.Dxo.FromString(data).data['w'].shape) == [n]\n"
         "print('same')\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=100)
+    done = subprocess.run(
+        tied([sys.executable, "-c", code]),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=540,
+    )
     assert done.returncode == 0 and done.stdout.strip() == "same", done.stdout + done.stderr
 
 

@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from bench.orphans import tied
+
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     # bench/ holds scripts run from the repository root (python -m bench.X), not an installed package.
@@ -20,14 +22,13 @@ bench = importlib.import_module("bench.strategy_bench")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
 def test_quick_run_measures_every_strategy_and_rule(tmp_path: Path) -> None:
     out = tmp_path / "strategy.json"
     done = subprocess.run(
-        [sys.executable, "-m", "bench.strategy_bench", "--quick", "--json", str(out)],
+        tied([sys.executable, "-m", "bench.strategy_bench", "--quick", "--json", str(out)]),
         capture_output=True,
         text=True,
-        timeout=110,
+        timeout=540,  # below the slow tests' 600 s ceiling (tests/conftest.py)
         cwd=ROOT,
     )
     assert done.returncode == 0, done.stdout + done.stderr

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from bench.orphans import tied
 from fedlink.cli.extras import MISSING_EXTRA_EXIT_CODE, SERVER_COMMAND_NAMES
 from fedlink.cli.main import build_cli
 from fedlink.common.version import PROTOCOL_VERSION, __version__
@@ -74,7 +75,11 @@ def test_server_install_runs_the_db_group() -> None:
 
 def test_console_script_prints_the_version(venv_bin: Path) -> None:
     result = subprocess.run(
-        [str(venv_bin / "fedlink"), "--version"], capture_output=True, text=True, timeout=30, check=False
+        tied([str(venv_bin / "fedlink"), "--version"]),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == VERSION_LINE
@@ -82,7 +87,11 @@ def test_console_script_prints_the_version(venv_bin: Path) -> None:
 
 def test_console_script_prints_help(venv_bin: Path) -> None:
     result = subprocess.run(
-        [str(venv_bin / "fedlink"), "--help"], capture_output=True, text=True, timeout=30, check=False
+        tied([str(venv_bin / "fedlink"), "--help"]),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     assert "Usage: fedlink" in result.stdout
@@ -98,7 +107,11 @@ def test_version_imports_nothing_heavy() -> None:
         "print(sorted(m for m in ('grpc', 'numpy', 'sqlalchemy', 'fedlink.server') if m in sys.modules))\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=30, check=False
+        tied([sys.executable, "-c", probe]),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [VERSION_LINE, "[]"]

@@ -20,10 +20,15 @@ import numpy as np
 import pytest
 from sklearn.datasets import load_digits
 
+from bench.orphans import tied
+
 pytestmark = pytest.mark.slow
 
 FEDLINK = str(Path(sys.executable).parent / "fedlink")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "cyclic"
+#: How long to wait for a process (or the job) to get somewhere: seconds on a quiet machine; far beyond
+#: that, so that a loaded machine is no failure, and a hang still is one.
+PROCESS_WAIT_S = 180.0
 
 
 class Serve:
@@ -36,11 +41,15 @@ class Serve:
         command = [FEDLINK, "serve", "--data-dir", str(data_dir), "--listen-address", "127.0.0.1:0"]
         command += ["--insecure", "--open-enrolment", "--reaper-interval", "200ms", *args]
         self.process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            tied(command),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
         )
         assert self.process.stdout is not None
         self.address = ""
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + PROCESS_WAIT_S
         while not self.address and time.monotonic() < deadline:
             line = self.process.stdout.readline()
             if not line:
@@ -53,13 +62,17 @@ class Serve:
         env = {k: v for k, v in os.environ.items() if not k.startswith("FEDLINK_")}
         connection = ["--server", self.address, "--insecure", "--data-dir", str(self.data_dir)]
         return subprocess.run(
-            [FEDLINK, "job", *args, *connection], capture_output=True, text=True, env=env, timeout=60
+            tied([FEDLINK, "job", *args, *connection]),
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=PROCESS_WAIT_S,
         )
 
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
-            self.process.wait(timeout=30)
+            self.process.wait(timeout=PROCESS_WAIT_S)
         if self.process.stdout is not None:
             self.process.stdout.close()
 
@@ -79,7 +92,7 @@ def runners(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
     for process in started:
         if process.poll() is None:
             process.kill()
-            process.wait(timeout=10)
+            process.wait(timeout=PROCESS_WAIT_S)
 
 
 def test_the_cyclic_example_runs_under_serve_with_real_runners(
@@ -98,9 +111,9 @@ def test_the_cyclic_example_runs_under_serve_with_real_runners(
                 "--task-wait", "2s",
             ]  # fmt: skip
             with (tmp_path / f"runner-{i}.log").open("ab") as log:
-                runners.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
+                runners.append(subprocess.Popen(tied(command), stdout=log, stderr=subprocess.STDOUT))
 
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 2 * PROCESS_WAIT_S
         while True:
             shown = serve.cli("show", job_id, "--format", "json")
             assert shown.returncode == 0, shown.stderr

@@ -6,10 +6,12 @@ coordinator SIGKILLed in the middle of a round resumes it with every acknowledge
 from __future__ import annotations
 
 import hashlib
+import queue
 import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,6 +22,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.orphans import tied
 from fedlink.v1 import control_service_pb2 as cpb
 from fedlink.v1 import control_service_pb2_grpc as cgrpc
 from fedlink.v1 import dxo_pb2, states_pb2
@@ -31,22 +34,37 @@ from .conftest import dense, read_tensor, weights_dxo
 pytestmark = pytest.mark.slow
 
 SHAPES = {"w": (4, 3), "b": (3,)}
+#: How long to wait for a coordinator process or a job to get somewhere: seconds on a quiet machine;
+#: far beyond that, so that a loaded machine is no failure, and a hang still is one.
+PROCESS_WAIT_S = 180.0
 
 
 class Serve:
-    """A `fedlink serve` process on a data directory (and optionally another database)."""
+    """A `fedlink serve` process on a data directory (and optionally another database).
+
+    Its output (standard output and error) is read all along by a thread, so the process never blocks
+    on a full pipe, and the test can wait for its address with a deadline that holds.
+    """
 
     def __init__(self, data_dir: Path, db_url: str | None) -> None:
         self.data_dir = data_dir
         self.db_url = db_url
         self.process: subprocess.Popen[str] | None = None
         self.address = ""
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._output: list[str] = []
+        self._reader: threading.Thread | None = None
 
     def migrate(self) -> None:
         """`fedlink db upgrade`, as an operator does before the first start on PostgreSQL."""
         if self.db_url:
             fedlink = str(Path(sys.executable).parent / "fedlink")
-            subprocess.run([fedlink, "db", "upgrade", "--db", self.db_url], check=True, capture_output=True)
+            subprocess.run(
+                tied([fedlink, "db", "upgrade", "--db", self.db_url]),
+                check=True,
+                capture_output=True,
+                timeout=PROCESS_WAIT_S,
+            )
 
     def start(self, *extra: str) -> None:
         fedlink = str(Path(sys.executable).parent / "fedlink")
@@ -54,33 +72,63 @@ class Serve:
         args += ["--insecure", "--open-enrolment", "--reaper-interval", "200ms", *extra]
         if self.db_url:
             args += ["--db-url", self.db_url]
-        self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert self.process.stdout is not None
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            line = self.process.stdout.readline()
-            if not line:
-                raise AssertionError(f"fedlink serve exited with {self.process.wait()}")
+        process = subprocess.Popen(tied(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.process, self._lines, self._output = process, queue.Queue(), []
+        self._reader = threading.Thread(target=self._read, args=(process, self._lines), daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + PROCESS_WAIT_S
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                message = f"fedlink serve did not report its address within {PROCESS_WAIT_S:g} s"
+                raise AssertionError(f"{message}:\n{self.output()}") from None
+            if line is None:
+                raise AssertionError(f"fedlink serve exited with {process.wait()}:\n{self.output()}")
+            self._output.append(line)
             if " listening on " in line:
                 self.address = line.split(" listening on ", 1)[1].split()[0]
                 return
-        raise AssertionError("fedlink serve did not report its address within 60 s")
+
+    @staticmethod
+    def _read(process: subprocess.Popen[str], lines: queue.Queue[str | None]) -> None:
+        assert process.stdout is not None
+        with process.stdout:
+            for line in process.stdout:
+                lines.put(line)
+        lines.put(None)  # end of output: the process has exited (or closed it)
+
+    def output(self) -> str:
+        """What the process printed so far (all of it, once it has exited)."""
+        if self.process is not None and self.process.poll() is not None and self._reader is not None:
+            self._reader.join(timeout=PROCESS_WAIT_S)
+        while True:
+            try:
+                line = self._lines.get_nowait()
+            except queue.Empty:
+                return "".join(self._output)
+            if line is not None:
+                self._output.append(line)
+
+    def wait(self) -> int:
+        """Waits for the process to exit on its own; its exit status."""
+        assert self.process is not None
+        code = self.process.wait(timeout=PROCESS_WAIT_S)
+        if self._reader is not None:
+            self._reader.join(timeout=PROCESS_WAIT_S)
+        return code
 
     def kill(self) -> None:
-        assert self.process is not None and self.process.stdout is not None
+        assert self.process is not None
         self.process.send_signal(signal.SIGKILL)
-        self.process.wait(timeout=10)
-        self.process.stdout.close()
+        self.wait()
 
     def stop(self) -> int:
         if self.process is None:
             return 0
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-        code = self.process.wait(timeout=30)
-        if self.process.stdout is not None:
-            self.process.stdout.close()
-        return code
+        return self.wait()
 
     @property
     def admin(self) -> tuple[tuple[str, str], ...]:
@@ -113,7 +161,7 @@ class Device:
         )
         self.device_id, self.credential = reply.device_id, reply.device_credential
 
-    def next_task(self, address: str, job_id: str, wait_s: float = 20.0) -> rpb.GetTaskResponse:
+    def next_task(self, address: str, job_id: str, wait_s: float = PROCESS_WAIT_S) -> rpb.GetTaskResponse:
         stub = self.stub(address)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
@@ -184,7 +232,7 @@ def submit(
     spec = cpb.JobSpec(name="kill-test", initial_model=dxo_pb2.BlobRef(sha256=sha))
     rounds_config = spec.fedadam.rounds if fedadam else spec.fedavg
     rounds_config.num_rounds = rounds
-    rounds_config.round_timeout.FromSeconds(120)
+    rounds_config.round_timeout.FromSeconds(600)  # rounds close on their results; a bound, not a wait
     if fedadam:
         spec.fedadam.server_learning_rate = 0.3
     job: str = control.SubmitJob(
@@ -195,7 +243,7 @@ def submit(
 
 def final_model(serve: Serve, job_id: str) -> tuple[int, dict[str, np.ndarray]]:
     control = cgrpc.ControlServiceStub(grpc.insecure_channel(serve.address))
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + PROCESS_WAIT_S
     job = control.DescribeJob(cpb.DescribeJobRequest(job_id=job_id), metadata=serve.admin).job
     while (
         job.state in (states_pb2.JOB_STATE_PENDING, states_pb2.JOB_STATE_RUNNING)
@@ -325,15 +373,14 @@ def test_serve_exits_3_with_health_not_serving_when_a_loop_cannot_recover(tmp_pa
             assert (
                 health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
             )
-            watch = health.Watch(health_pb2.HealthCheckRequest(), timeout=60)
+            watch = health.Watch(health_pb2.HealthCheckRequest(), timeout=PROCESS_WAIT_S)
             assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
             # The job supervisor's table disappears for good (a botched manual migration).
-            with sqlite3.connect(serve.data_dir / "fedlink.db", timeout=10) as db:
+            with sqlite3.connect(serve.data_dir / "fedlink.db", timeout=60) as db:
                 db.execute("ALTER TABLE jobs RENAME TO jobs_away")
             assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
-        assert serve.process is not None and serve.process.stdout is not None
-        code = serve.process.wait(timeout=60)
-        output = serve.process.stdout.read()
+        code = serve.wait()
+        output = serve.output()
         assert code == 3, output
         assert "background loop 'job-supervisor' failed" in output
         assert "no such table: jobs" in output

@@ -10,16 +10,23 @@ from pathlib import Path
 
 import pytest
 
+from bench.orphans import tied
 from fedlink.common.version import PROTOCOL_VERSION, __version__
 
 pytestmark = pytest.mark.slow
 
 
-def run(*args: str | Path, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run(*args: str | Path, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """Runs a command outside the checkout, with no PYTHONPATH to leak the editable install in."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     return subprocess.run(
-        [str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+        tied([str(a) for a in args]),
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.orphans import tied
+
 
 @pytest.fixture(scope="module")
 def buf(venv_bin: Path) -> str:
@@ -20,7 +22,14 @@ def buf(venv_bin: Path) -> str:
 
 def run_buf(buf: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """Runs buf in ``cwd`` (a folder holding buf.yaml) and returns what it did."""
-    return subprocess.run([buf, *args], cwd=cwd, capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(
+        tied([buf, *args]),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def test_buf_lint_passes(buf: str, repo_root: Path) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.orphans import tied
 from fedlink.common.dxo import DXO, DataKind, weight_of
 from fedlink.common.tensors import TensorEncoding
 from fedlink.runner import Context, ContextKey, Signal, process_job_data
@@ -77,5 +78,10 @@ def test_the_runner_package_imports_only_its_small_dependency_set() -> None:
         "heavy = sorted({m.split('.')[0] for m in sys.modules} & heavy);"
         "print(','.join(heavy))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        tied([sys.executable, "-c", code]),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == "", f"fedlink.runner imports {out.stdout.strip()}"

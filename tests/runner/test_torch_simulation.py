@@ -23,6 +23,7 @@ pytest.importorskip("torch", reason="the PyTorch trainer needs torch: pip instal
 
 import torch
 
+from bench.orphans import tied
 from fedlink.runner.config import ResolverRegistry
 from fedlink.runner.data import ArrayDataSource, PartitionedDataSource
 from fedlink.runner.executors.torch import TorchTrainer, load_arrays, state_dict_to_arrays
@@ -130,5 +131,7 @@ def test_importing_the_runner_and_its_builtins_does_not_import_torch() -> None:
         "import sys, fedlink.runner, fedlink.runner.builtins, fedlink.runner.executors;"
         "print('torch' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    out = subprocess.run(
+        tied([sys.executable, "-c", code]), capture_output=True, text=True, check=True, timeout=60
+    )
     assert out.stdout.strip() == "False", "the base runner install must not need torch"

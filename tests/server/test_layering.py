@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.orphans import tied
+
 #: FedAvg's own types: outside the workflows layer, everything goes through the workflow registry.
 FEDAVG_NAMES = frozenset({"FedAvg", "FedAvgParams", "FedAvgConfig", "RoundFold", "WeightedAverage"})
 
@@ -25,7 +27,12 @@ def lint_imports(venv_bin: Path) -> str:
 
 def run(lint_imports: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [lint_imports, "--no-cache", *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=False
+        tied([lint_imports, "--no-cache", *args]),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
 
 

@@ -18,6 +18,7 @@ from typing import TypeVar
 import numpy as np
 import pytest
 
+from bench import orphans
 from fedlink.common.errors import InvalidArgument
 from fedlink.simulation import RayConfig, run_simulation
 
@@ -33,8 +34,8 @@ RAY_WARNINGS: tuple[pytest.MarkDecorator, ...] = (
 
 
 def ray_test(test: _F) -> _F:
-    """Marks a test that runs Ray: slow, a longer timeout, Ray's warnings filtered."""
-    for mark in (pytest.mark.slow, pytest.mark.timeout(180), *RAY_WARNINGS):
+    """Marks a test that runs Ray: slow (with the slow tests' longer timeout), Ray's warnings filtered."""
+    for mark in (pytest.mark.slow, *RAY_WARNINGS):
         test = mark(test)
     return test
 
@@ -101,23 +102,24 @@ def test_ray_backend_joins_a_running_cluster(digits: Digits) -> None:
     # A short temp dir: Ray's socket paths must fit in 107 bytes.
     temp = tempfile.mkdtemp(prefix="fr", dir="/tmp")
     # --block keeps `ray start` in the foreground, so the test stops the cluster it started (and only
-    # that one) by terminating this process, instead of a machine-wide `ray stop`.
+    # that one) by terminating this process, instead of a machine-wide `ray stop`. Through the reaper,
+    # which ends Ray's processes if the test dies first.
     head = subprocess.Popen(
-        [
+        orphans.reaped([
             ray_cli, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
             "--node-ip-address=127.0.0.1", f"--temp-dir={temp}", "--block",
-        ],
+        ], grace_s=20),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180
         while True:
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", port)) == 0:
                     break
             assert head.poll() is None, "ray start --head exited"
-            assert time.monotonic() < deadline, "ray start --head did not listen within 60 s"
+            assert time.monotonic() < deadline, "ray start --head did not listen within 180 s"
             time.sleep(0.2)
         job = softmax_job(rounds=1)
         local = run_simulation(job, 6, data=digits.source(), seed=5)
@@ -136,7 +138,7 @@ def test_ray_backend_joins_a_running_cluster(digits: Digits) -> None:
     finally:
         head.terminate()
         try:
-            head.wait(timeout=30)
+            head.wait(timeout=60)
         except subprocess.TimeoutExpired:
             head.kill()
             head.wait()

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from bench.orphans import tied
 from fedlink.runner.data import NpzDataSource, PartitionedDataSource
 from fedlink.simulation import run_simulation
 
@@ -27,6 +28,9 @@ from .conftest import AddPartition, Digits, job_with
 FEDLINK = str(Path(sys.executable).parent / "fedlink")
 DEVICES = 5
 ADMIN = "simulation-equality-admin-token"
+#: How long to wait for a process (or the job) to get somewhere: seconds on a quiet machine; far beyond
+#: that, so that a loaded machine is no failure, and a hang still is one.
+PROCESS_WAIT_S = 180.0
 
 JOB = """
 name = "equality"
@@ -38,7 +42,7 @@ devices_per_round = 5
 min_results = 5
 min_devices = 5
 seed = 11
-round_timeout = "60s"
+round_timeout = "600s"  # rounds close on their results; this only bounds a stuck one
 
 [[job_data.components]]
 type = "SoftmaxRegressionTrainer"
@@ -102,7 +106,7 @@ def _serve(data_dir: Path, log: Path) -> tuple[subprocess.Popen[str], str]:
         "--log-level", "WARNING",
     ]  # fmt: skip
     with log.open("wb") as stderr:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        process = subprocess.Popen(tied(command), stdout=subprocess.PIPE, stderr=stderr, text=True)
     assert process.stdout is not None
     found: list[str] = []
 
@@ -114,7 +118,7 @@ def _serve(data_dir: Path, log: Path) -> tuple[subprocess.Popen[str], str]:
         process.stdout.close()  # at EOF: the process has exited
 
     threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + PROCESS_WAIT_S
     while not found:
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
@@ -125,7 +129,13 @@ def _serve(data_dir: Path, log: Path) -> tuple[subprocess.Popen[str], str]:
 
 def _cli(*args: str, server: str) -> str:
     command = [FEDLINK, *args, "--server", server, "--insecure", "--admin-token", ADMIN]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        tied(command),
+        capture_output=True,
+        text=True,
+        timeout=PROCESS_WAIT_S,
+        check=False,
+    )
     assert done.returncode == 0, f"{' '.join(args)} failed: {done.stdout}{done.stderr}"
     return done.stdout
 
@@ -150,8 +160,8 @@ def test_simulation_equals_real_runner_processes(job_file: Path, tmp_path: Path)
                 "--job-timeout", "60s", "--task-wait", "5s", "--log-level", "WARNING",
             ]  # fmt: skip
             with (tmp_path / f"runner-{i}.log").open("wb") as log:
-                runners.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + 100
+                runners.append(subprocess.Popen(tied(command), stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 2 * PROCESS_WAIT_S
         while True:
             state = json.loads(_cli("job", "show", job_id, "--format", "json", server=address))["state"]
             if state in ("FINISHED", "FAILED", "ABORTED") or time.monotonic() > deadline:
@@ -171,7 +181,7 @@ def test_simulation_equals_real_runner_processes(job_file: Path, tmp_path: Path)
                 process.send_signal(signal.SIGTERM)
         for process in processes:
             try:
-                process.wait(timeout=20)
+                process.wait(timeout=PROCESS_WAIT_S)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()

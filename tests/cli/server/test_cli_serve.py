@@ -22,11 +22,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.orphans import tied
 from fedlink.server.settings import env_var, setting_names
 
 from .conftest import Cli
 
-START_TIMEOUT_S = 30.0
+#: How long to wait for a ``fedlink serve`` to start or stop: ~2 s on a quiet machine; far beyond that,
+#: so that a loaded machine is no failure, and a hang still is one.
+PROCESS_WAIT_S = 180.0
 
 
 @dataclass
@@ -72,7 +75,7 @@ def serve(venv_bin: Path, tmp_path: Path) -> Iterator[StartServe]:
         stderr_path = tmp_path / f"serve-{len(started)}.log"
         with stderr_path.open("w") as stderr:
             process = subprocess.Popen(
-                [str(venv_bin / "fedlink"), "serve", "--log-level", "warning", *args],
+                tied([str(venv_bin / "fedlink"), "serve", "--log-level", "warning", *args]),
                 stdout=subprocess.PIPE,
                 stderr=stderr,
                 text=True,
@@ -81,15 +84,16 @@ def serve(venv_bin: Path, tmp_path: Path) -> Iterator[StartServe]:
         started.append(process)
         assert process.stdout is not None
         lines: list[str] = []
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
+        # The start report is printed at once, so reading it line by line blocks only while the process
+        # starts; the deadline bounds the whole report.
+        deadline = time.monotonic() + PROCESS_WAIT_S
+        while not lines or not lines[-1].startswith("  database: "):  # the report's last line
             line = process.stdout.readline()
             if not line:
-                process.wait(timeout=10)
+                process.wait(timeout=PROCESS_WAIT_S)
                 pytest.fail(f"fedlink serve exited with {process.returncode}: {stderr_path.read_text()}")
             lines.append(line.rstrip("\n"))
-            if line.startswith("  database: "):  # the last line of the start report
-                break
+            assert time.monotonic() < deadline, f"no whole start report in {PROCESS_WAIT_S:g} s: {lines}"
         address = lines[0].split(" listening on ", 1)[1].split()[0]
         return ServeProcess(process, address, lines, stderr_path)
 
@@ -97,14 +101,14 @@ def serve(venv_bin: Path, tmp_path: Path) -> Iterator[StartServe]:
     for process in started:  # only the processes this fixture started, each by its own handle
         if process.poll() is None:
             process.kill()
-            process.wait(timeout=10)
+            process.wait(timeout=PROCESS_WAIT_S)
         if process.stdout is not None:
             process.stdout.close()
 
 
 def _health(channel: grpc.Channel) -> int:
     stub = health_pb2_grpc.HealthStub(channel)
-    return int(stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status)
+    return int(stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=60).status)
 
 
 def test_help_documents_every_setting_with_its_variable() -> None:
@@ -172,9 +176,11 @@ def test_serve_defaults_to_tls_and_stops_gracefully_on_sigterm(serve: StartServe
     assert json.loads(listed.stdout) == []
 
     started = time.monotonic()
-    code, out = server.stop(signal.SIGTERM, timeout=15)
+    code, out = server.stop(signal.SIGTERM, timeout=PROCESS_WAIT_S)
     assert code == 0, server.stderr_path.read_text()
-    assert time.monotonic() - started < 10
+    # Nothing is in flight, so it need not wait out even the 2 s grace: under a second on a quiet
+    # machine, seconds on a loaded one; not the 30 s of a shutdown that waits for something.
+    assert time.monotonic() - started < 30
     assert "stopping" in out and out.rstrip().endswith("stopped")
 
 
@@ -196,7 +202,7 @@ def test_precedence_flags_over_environment_over_file_and_insecure_with_sigint(
     assert server.value("admin token:").startswith(str(tmp_path / "data" / "admin-token"))
     with grpc.insecure_channel(server.address) as channel:
         assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
-    code, _ = server.stop(signal.SIGINT, timeout=15)
+    code, _ = server.stop(signal.SIGINT, timeout=PROCESS_WAIT_S)
     assert code == 0, server.stderr_path.read_text()
 
 
@@ -207,18 +213,20 @@ def test_a_port_in_use_exits_1_with_a_clear_error(venv_bin: Path, tmp_path: Path
         taken.listen()
         address = f"127.0.0.1:{taken.getsockname()[1]}"
         result = subprocess.run(
-            [
-                str(venv_bin / "fedlink"),
-                "serve",
-                "--data-dir",
-                str(tmp_path),
-                "--insecure",
-                "--listen-address",
-                address,
-            ],
+            tied(
+                [
+                    str(venv_bin / "fedlink"),
+                    "serve",
+                    "--data-dir",
+                    str(tmp_path),
+                    "--insecure",
+                    "--listen-address",
+                    address,
+                ]
+            ),
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=PROCESS_WAIT_S,
             env=_clean_env(),
             check=False,
         )

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from sklearn.datasets import load_digits
 
+from bench.orphans import tied
 from fedlink.common.dxo import DXO, DataKind
 from fedlink.common.errors import NotFound
 from fedlink.server.app import Coordinator
@@ -31,6 +32,9 @@ from fedlink.v1 import control_service_pb2_grpc as cgrpc
 from fedlink.v1 import dxo_pb2
 
 FEDLINK = str(Path(sys.executable).parent / "fedlink")
+#: How long a test waits for a runner process to get somewhere (start, enrol, train, exit): seconds on a
+#: quiet machine; far beyond that, so that a loaded machine is no failure, and a hang still is one.
+PROCESS_WAIT_S = 180.0
 
 
 class Proxy:
@@ -131,7 +135,7 @@ class Harness:
         spec.fedavg.num_rounds = rounds
         spec.fedavg.devices_per_round = devices
         spec.fedavg.min_results = devices
-        spec.fedavg.round_timeout.FromSeconds(120)
+        spec.fedavg.round_timeout.FromSeconds(600)  # rounds close on their results; a bound, not a wait
         reply = await self.control.SubmitJob(
             cpb.SubmitJobRequest(spec=spec, request_id=str(uuid.uuid4())), metadata=self.metadata
         )
@@ -157,12 +161,12 @@ class Harness:
         run = await store.get_current_run(job_id)
         return list(await store.list_results(run_id=run.run_id, accepted_only=False))
 
-    async def wait_for(self, what: str, predicate: Any, within: float = 30.0) -> None:
+    async def wait_for(self, what: str, predicate: Any, within: float = PROCESS_WAIT_S) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within
         while not await predicate():
             if loop.time() > deadline:
-                raise AssertionError(f"timed out waiting for {what}")
+                raise AssertionError(f"timed out waiting for {what} ({within:g} s)")
             await asyncio.sleep(0.02)
 
     def runner(self, name: str, data: Path, *extra: str, via_proxy: bool = True) -> subprocess.Popen[bytes]:
@@ -175,7 +179,7 @@ class Harness:
         ]  # fmt: skip
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with (self.tmp / f"{name}.log").open("ab") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+            process = subprocess.Popen(tied(command), stdout=log, stderr=subprocess.STDOUT, env=env)
         self.processes.append(process)
         return process
 
@@ -183,7 +187,7 @@ class Harness:
         path = self.tmp / f"{name}.log"
         return path.read_text() if path.exists() else ""
 
-    async def wait_for_log(self, name: str, text: str, within: float = 30.0) -> None:
+    async def wait_for_log(self, name: str, text: str, within: float = PROCESS_WAIT_S) -> None:
         async def seen() -> bool:
             return text in self.log(name)
 

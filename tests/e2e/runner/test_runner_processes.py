@@ -13,12 +13,12 @@ import pytest
 
 from fedlink.v1 import states_pb2
 
-from .conftest import Harness, digits_file, slow_job
+from .conftest import PROCESS_WAIT_S, Harness, digits_file, slow_job
 
 pytestmark = pytest.mark.slow
 
 
-async def wait_exit(process: object, within: float) -> int:
+async def wait_exit(process: object, within: float = PROCESS_WAIT_S) -> int:
     import subprocess
 
     assert isinstance(process, subprocess.Popen)
@@ -53,14 +53,14 @@ async def test_sigkill_between_result_and_acknowledgement_loses_nothing_and_doub
 
     await harness.wait_for("the finished result on disk", result_on_disk)
     first.send_signal(signal.SIGKILL)
-    assert await wait_exit(first, 5) == -signal.SIGKILL
+    assert await wait_exit(first) == -signal.SIGKILL
     before = device_id(state)
     assert await harness.results(job_id) == []  # the coordinator never got it
 
     harness.proxy.cut()
     harness.proxy.mode = "forward"
     second = harness.runner("device", data, "--job-name", "crash", "--job-timeout", "60s")
-    assert await wait_exit(second, 60) == 0, harness.log("device")
+    assert await wait_exit(second) == 0, harness.log("device")
 
     assert device_id(state) == before
     results = await harness.results(job_id)
@@ -69,7 +69,16 @@ async def test_sigkill_between_result_and_acknowledgement_loses_nothing_and_doub
     assert list(pending.glob("*.pb")) == []
 
 
-@pytest.mark.parametrize(("grace", "epochs", "expect"), [("20s", 40, "COMPLETED"), ("0.3s", 400, "RELEASED")])
+#: The RELEASED case's bound from SIGTERM to the release: far above the 0.3 s grace on a loaded machine,
+#: far below the 30 s default grace and the training, which takes 30 s on a quiet machine.
+RELEASED_WITHIN_S = 15.0
+
+
+# COMPLETED: a grace (120 s) longer than the training (a few seconds quiet) on any machine the test
+# should pass on; the runner exits as soon as it has reported, so a quiet run does not wait for it.
+@pytest.mark.parametrize(
+    ("grace", "epochs", "expect"), [("120s", 40, "COMPLETED"), ("0.3s", 400, "RELEASED")]
+)
 async def test_sigterm_exits_0_within_the_grace_with_the_result_or_a_release(
     harness: Harness, tmp_path: Path, grace: str, epochs: int, expect: str
 ) -> None:
@@ -80,12 +89,20 @@ async def test_sigterm_exits_0_within_the_grace_with_the_result_or_a_release(
     await harness.wait_for_log("device", " received")
     started = time.monotonic()
     process.send_signal(signal.SIGTERM)
-    assert await wait_exit(process, 25) == 0, harness.log("device")
-    took = time.monotonic() - started
+    if expect == "RELEASED":
+
+        async def released() -> bool:
+            return [a.state.value for a in await harness.assignments(job_id)] == ["RELEASED"]
+
+        await harness.wait_for("the release", released)
+        took = time.monotonic() - started
+        # Aborted right after the 0.3 s grace, not after the training (the process's exit is not timed:
+        # a loaded machine takes seconds to tear an interpreter down).
+        assert took < RELEASED_WITHIN_S, f"released {took:.1f} s after SIGTERM"
+    assert await wait_exit(process) == 0, harness.log("device")
     [assignment] = await harness.assignments(job_id)
     assert assignment.state.value == expect, harness.log("device")
     if expect == "RELEASED":
-        assert took < 5  # aborted right after the 0.3 s grace, not after the 30 s of training
         assert await harness.results(job_id) == []
     else:
         assert [r.status.value for r in await harness.results(job_id)] == ["SUCCEEDED"]
@@ -122,5 +139,5 @@ async def test_a_coordinator_outage_is_ridden_out_within_the_backoff_schedule(
 
     # After the outage the runner carries on: it takes the job, finishes it and exits.
     job_id = await harness.submit(slow_job(epochs=1), name="later")
-    assert await wait_exit(a, 60) == 0, harness.log("a")
+    assert await wait_exit(a) == 0, harness.log("a")
     assert await harness.job_state(job_id) == states_pb2.JOB_STATE_FINISHED

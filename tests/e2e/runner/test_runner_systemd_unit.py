@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.orphans import tied
+
 # Settings newer than some systemd versions still in use; older ones ignore them with this warning.
 _NEWER_KEYS = {"RestartSteps", "RestartMaxDelaySec"}
 
@@ -35,7 +37,12 @@ def test_the_unit_file_verifies(repo_root: Path, tmp_path: Path) -> None:
     unit = tmp_path / "fedlink-runner.service"
     unit.write_text(text.replace("/usr/local/bin/fedlink", str(fedlink)))
 
-    done = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        tied([analyze, "verify", str(unit)]),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     problems = [
         line

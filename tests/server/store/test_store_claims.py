@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.orphans import tied
 from fedlink.common.errors import IllegalTransition, PermissionDenied
 from fedlink.server.domain import AssignmentState, LeaseLost, TaskState
 from fedlink.server.store import ClaimRequest, NewTask, SqlStateStore
@@ -203,7 +204,7 @@ async def test_no_double_claims_across_processes(world: World, store_url: str, t
     worker = Path(__file__).with_name("claim_worker.py")
     procs = [
         await asyncio.create_subprocess_exec(
-            sys.executable,
+            *tied([sys.executable]),
             str(worker),
             store_url,
             world.job.job_id,
