@@ -9,7 +9,9 @@ share ``channels`` grpc.aio channels, each its own TCP connection (a local subch
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import sys
@@ -360,8 +362,10 @@ async def run_download(spec: LoadSpec) -> dict[str, Any]:
     channels = open_channels(spec)
     devices = [await Device(channels[i % len(channels)]).enroll() for i in range(spec.devices)]
     tasks = []
-    for device in devices:
-        job_id = await device.job_id(spec.job_name)
+    # Every device asks for the job before any waits for a task: only devices that asked are sampled,
+    # and the round waits for all of them (min_devices).
+    job_ids = [await device.job_id(spec.job_name) for device in devices]
+    for device, job_id in zip(devices, job_ids, strict=True):
         task = await device.get_task(job_id, b"", spec.wait_s)
         while task.status != _OK:
             task = await device.get_task(job_id, b"", spec.wait_s)
@@ -446,8 +450,38 @@ async def run_echo(spec: LoadSpec) -> dict[str, Any]:
     }
 
 
+async def run_enroll(spec: LoadSpec) -> dict[str, Any]:
+    """``devices`` enrolments (open enrolment), ``payload_bytes`` callers at once; timed from the first
+    to the last reply (each enrolment a new device)."""
+    channels = open_channels(spec)
+    timings = Timings()
+
+    async def enroll(index: int) -> None:
+        stub: rgrpc.RunnerServiceAsyncStub = rgrpc.RunnerServiceStub(channels[index % len(channels)])
+        request = rpb.EnrollRequest(
+            device_info={"platform": "bench"}, protocol_version="1.0", request_id=str(uuid.uuid4())
+        )
+        with contextlib.suppress(grpc.aio.AioRpcError):  # counted in timings.errors
+            await timings.call("Enroll", stub.Enroll(request))
+
+    start = time.perf_counter()
+    await bounded_gather([functools.partial(enroll, i) for i in range(spec.devices)], spec.payload_bytes)
+    wall = time.perf_counter() - start
+    for channel in channels:
+        await channel.close()
+    done = len(timings.latency.get("Enroll", []))
+    return {
+        "enrolments": done,
+        "wall_s": round(wall, 3),
+        "enrolments_per_s": round(done / wall, 1),
+        "latency": latency_summary(timings.latency.get("Enroll", [])),
+        "errors": dict(timings.errors),
+    }
+
+
 _MODES: dict[str, Callable[[LoadSpec], Coroutine[Any, Any, dict[str, Any]]]] = {
     "devices": run_devices,
+    "enroll": run_enroll,
     "idle": run_idle,
     "download": run_download,
     "raw-download": run_raw_download,

@@ -1,11 +1,12 @@
 """The PyTorch example's model and data: a small CNN on scikit-learn's 8x8 digits.
 
-``job.toml`` names the trainer ``digits_cnn:DigitsCNNTrainer`` — this module's class, spelled as an
-import path. Until ``job_data`` types can be loaded by import path, a runner finds it through
-:func:`registry` (an app :class:`~fedlink.runner.config.ResolverRegistry` that maps that name to the
-class); ``run.py`` and ``device.py`` pass it on. ``python examples/pytorch/digits_cnn.py`` rewrites
-``initial.npz``, the job's initial model (the CNN's seeded initialisation); with ``--data PATH`` it
-also writes the digits as the ``.npz`` a runner's ``--data`` reads.
+``job.toml`` names the trainer ``digits_cnn:DigitsCNNTrainer``: this module's class, by import path.
+``fedlink simulate`` imports it (the job file's folder is on its module path); ``fedlink runner``
+imports it with this folder on ``PYTHONPATH`` and ``--allow-components digits_cnn``.
+``python examples/pytorch/digits_cnn.py`` rewrites ``initial.npz``, the job's initial model (the CNN's
+seeded initialisation); with ``--data PATH`` it also writes the digits as the ``.npz`` that
+``fedlink runner --data`` and ``fedlink simulate --data`` read (``job.toml``'s ``[simulation]`` looks
+for ``digits.npz`` beside it).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from fedlink.runner.config import ResolverRegistry
 from fedlink.runner.data import ArrayDataSource
 from fedlink.runner.data.partition import all_partitions
 from fedlink.runner.executors.torch import TorchTrainer, load_arrays, state_dict_to_arrays
@@ -30,10 +30,9 @@ __all__ = [
     "DigitsCNNTrainer",
     "accuracy",
     "initial_model",
-    "registry",
 ]
 
-#: The trainer's type name in ``job.toml`` (the import path it will be loaded by).
+#: The trainer's type in ``job.toml``: the import path it is loaded by.
 TRAINER_TYPE = "digits_cnn:DigitsCNNTrainer"
 HERE = Path(__file__).resolve().parent
 
@@ -65,11 +64,6 @@ class DigitsCNNTrainer(TorchTrainer):
     def build_model(self) -> torch.nn.Module:
         """A new, untrained CNN (each task loads the global model into it)."""
         return DigitsCNN()
-
-
-def registry() -> ResolverRegistry:
-    """The app's component types: the job file's trainer type, mapped to :class:`DigitsCNNTrainer`."""
-    return ResolverRegistry({TRAINER_TYPE: DigitsCNNTrainer})
 
 
 def initial_model(seed: int = 0) -> dict[str, npt.NDArray[Any]]:

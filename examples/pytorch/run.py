@@ -4,14 +4,18 @@ The job is ``job.toml`` beside this file (20 rounds of the ``DigitsCNNTrainer`` 
 every device trains on its own Dirichlet-skewed share (``alpha`` 0.5) of the 75% training split and,
 after each round, evaluates the new global model on the 25% held-out split, which no device trains on.
 
-* ``--mode simulate`` (the default, ``--devices 10``): ``run_simulation`` runs the job file on
-  virtual devices in this process — what ``fedlink simulate job.toml --devices 10`` will do once it
-  can load the trainer and give the devices their data.
+* ``--mode simulate`` (the default, ``--devices 10``): ``fedlink simulate job.toml --devices 10
+  --data digits.npz`` runs the job file on virtual devices; device ``i`` gets partition ``i``, split
+  as the job file's ``[simulation]`` section says (Dirichlet, alpha 0.5, seed 0).
 * ``--mode processes`` (``--devices 4``): ``fedlink serve`` (plaintext, open enrolment, SQLite in a
-  temporary directory), ``fedlink job submit job.toml``, and one ``device.py`` process per device —
-  ``fedlink runner`` plus the example's trainer type — each reading the same ``digits.npz`` and
-  taking its own partition; ``fedlink job watch`` follows the rounds and ``fedlink job download``
-  fetches the final model.
+  temporary directory), ``fedlink job submit job.toml``, and one ``fedlink runner`` per device, each
+  reading the same ``digits.npz`` and taking its own partition (``--partition-id I --num-partitions 4
+  --partition dirichlet``); the runners import the trainer ``digits_cnn:DigitsCNNTrainer`` from this
+  folder (``PYTHONPATH``), which ``--allow-components digits_cnn`` allows; ``fedlink job watch``
+  follows the rounds and ``fedlink job download`` fetches the final model.
+
+Both write ``digits.npz`` (the 75% training split and the 25% held out, which is never split: every
+device evaluates on all of it) to the work folder first.
 
 Either way it prints the held-out accuracy after every round (the devices' evaluation, averaged by
 the coordinator), then the final model's accuracy computed here and the time taken. ``--json`` prints
@@ -36,30 +40,40 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedlink.runner.data import PartitionedDataSource
-
 if TYPE_CHECKING:  # mypy checks the tree from its root; run as a script, this folder is on sys.path
-    from examples.pytorch.digits_cnn import Digits, accuracy, registry
+    from examples.pytorch.digits_cnn import Digits, accuracy
 else:
-    from digits_cnn import Digits, accuracy, registry
+    from digits_cnn import Digits, accuracy
 
 HERE = Path(__file__).resolve().parent
 JOB_FILE = HERE / "job.toml"
 JOB_NAME = "pytorch-digits"  # the job file's name: runners take only this job
-#: How the training split is shared among the devices, the same in both modes.
+#: How the training split is shared among the devices: the job file's [simulation] section says the
+#: same to ``fedlink simulate``.
 ALPHA = 0.5
 PARTITION_SEED = 0
+#: The module the runners may import the job's trainer type from.
+TRAINER_MODULE = "digits_cnn"
 #: Bounds on the whole run, so that a broken setup fails instead of hanging.
 JOB_DEADLINE_S = 600.0
 
 
-def simulate(devices: int, digits: Digits) -> tuple[list[float], dict[str, Any]]:
-    """Runs the job file on ``devices`` virtual devices; returns per-round accuracy and the final model."""
-    from fedlink.simulation import run_simulation  # the server extra: only this mode needs it
-
-    source = PartitionedDataSource(digits.source(), method="dirichlet", alpha=ALPHA, seed=PARTITION_SEED)
-    result = run_simulation(JOB_FILE, devices, runner=registry(), data=source, timeout=JOB_DEADLINE_S)
-    return [record.metrics["eval_accuracy"] for record in result.rounds], dict(result.arrays)
+def simulate(devices: int, work: Path) -> tuple[list[float], dict[str, Any]]:
+    """``fedlink simulate`` of the job file on ``devices`` virtual devices; returns per-round accuracy
+    and the final model."""
+    metrics, final = work / "metrics.jsonl", work / "final.npz"
+    command = [
+        fedlink_executable(), "simulate", str(JOB_FILE), "--devices", str(devices),
+        "--data", str(work / "digits.npz"), "--jsonl", str(metrics), "--save-model", str(final),
+        "--timeout", str(JOB_DEADLINE_S), "--no-progress",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"fedlink simulate failed: {done.stderr.strip()}")
+    rounds = [json.loads(line) for line in metrics.read_text().splitlines()]
+    with np.load(final) as archive:
+        arrays = {name: archive[name] for name in archive.files}
+    return [float(r["metrics"]["eval_accuracy"]) for r in rounds], arrays
 
 
 def fedlink_executable() -> str:
@@ -94,30 +108,32 @@ def start_coordinator(fedlink: str, data_dir: Path, admin_token: Path) -> tuple[
     raise SystemExit(f"the coordinator did not start (exit status {process.wait()})")
 
 
-def start_devices(address: str, work: Path, devices: int) -> list[subprocess.Popen[bytes]]:
-    """One ``device.py`` per device: the same data file, each its own partition and state directory."""
+def start_devices(fedlink: str, address: str, work: Path, devices: int) -> list[subprocess.Popen[bytes]]:
+    """One ``fedlink runner`` per device: the same data file, each its own partition and state directory,
+    this folder on its module path and the trainer's module allowed."""
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+    }
     processes = []
     for i in range(devices):
         log = (work / f"device-{i}.log").open("wb")
         command = [
-            sys.executable, str(HERE / "device.py"), "--server", address, "--insecure",
+            fedlink, "runner", "--server", address, "--insecure", "--allow-components", TRAINER_MODULE,
             "--state-dir", str(work / f"device-{i}"), "--data", str(work / "digits.npz"),
             "--partition-id", str(i), "--num-partitions", str(devices), "--partition", "dirichlet",
             "--partition-alpha", str(ALPHA), "--partition-seed", str(PARTITION_SEED),
             "--job-name", JOB_NAME, "--job-timeout", "120s", "--task-wait", "5s",
             "--device-info", f"site=device-{i}", "--log-level", "WARNING",
         ]  # fmt: skip
-        processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
+        processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment))
     return processes
 
 
-def run_processes(
-    devices: int, digits: Digits, work: Path, *, quiet: bool
-) -> tuple[list[float], dict[str, Any]]:
+def run_processes(devices: int, work: Path, *, quiet: bool) -> tuple[list[float], dict[str, Any]]:
     """Runs the job on ``fedlink serve`` and ``devices`` device processes; returns as :func:`simulate`."""
     fedlink = fedlink_executable()
     token = write_secret(work / "admin-token", uuid.uuid4().hex)
-    digits.save(work / "digits.npz")
     coordinator, address = start_coordinator(fedlink, work / "coordinator", token)
     connection = ["--server", address, "--insecure", "--admin-token-file", str(token)]
     processes: list[subprocess.Popen[bytes]] = []
@@ -133,7 +149,7 @@ def run_processes(
         job_id = submitted.stdout.strip().splitlines()[-1]
         if not quiet:
             print(f"coordinator on {address}; job {job_id}")
-        processes = start_devices(address, work, devices)
+        processes = start_devices(fedlink, address, work, devices)
         per_round = watch(fedlink, job_id, connection, quiet=quiet)
         final = work / "final.npz"
         subprocess.run(
@@ -205,13 +221,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="fedlink-pytorch-") as tmp:
         work = args.workdir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
+        digits.save(work / "digits.npz")
         if args.mode == "simulate":
-            per_round, arrays = simulate(devices, digits)
+            per_round, arrays = simulate(devices, work)
             if not args.json:
                 for round_no, value in enumerate(per_round, 1):
                     print(f"round {round_no:2d}: held-out accuracy {value:.4f}")
         else:
-            per_round, arrays = run_processes(devices, digits, work, quiet=args.json)
+            per_round, arrays = run_processes(devices, work, quiet=args.json)
     final = accuracy(arrays, digits.x_test, digits.y_test)
     seconds = time.perf_counter() - started
     if args.save_model is not None:

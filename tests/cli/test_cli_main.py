@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from bench.orphans import tied
-from fedlink.cli.extras import MISSING_EXTRA_EXIT_CODE, SERVER_COMMAND_NAMES
+from fedlink.cli.extras import MISSING_EXTRA_EXIT_CODE, OPERATOR_COMMAND_NAMES, SERVER_COMMAND_NAMES
 from fedlink.cli.main import build_cli
 from fedlink.common.version import PROTOCOL_VERSION, __version__
 
@@ -47,13 +47,13 @@ def test_help_describes_the_group(flag: str) -> None:
 def test_runner_only_install_lists_server_commands_as_needing_the_extra() -> None:
     code, output = run("--help", server_extra=False)
     assert code == 0
-    assert listed_commands(output) == {*SERVER_COMMAND_NAMES, "runner"}
+    assert listed_commands(output) == {*SERVER_COMMAND_NAMES, *OPERATOR_COMMAND_NAMES, "runner"}
     assert "fedlink[server]" in output
 
 
 @pytest.mark.parametrize(
     "args",
-    [("serve",), ("db", "upgrade", "--url", "sqlite:///x.db"), ("job", "list"), ("simulate", "--help")],
+    [("serve",), ("db", "upgrade", "--url", "sqlite:///x.db"), ("simulate", "--help")],
 )
 def test_runner_only_install_explains_the_missing_extra(args: tuple[str, ...]) -> None:
     code, output = run(*args, server_extra=False)

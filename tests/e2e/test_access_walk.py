@@ -160,6 +160,8 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
             control: cgrpc.ControlServiceAsyncStub = cgrpc.ControlServiceStub(channel)
             c_enrolment = _enrolment()
             a, b, c = [await _enrol(channel, r) for r in (_enrolment(), _enrolment(), c_enrolment)]
+            for device in (a, b, c):  # runners ask for work first: only devices that asked are sampled
+                await device.get_job()
             model = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
             sha = await upload_model(control, weights_dxo(model), admin)
             spec = cpb.JobSpec(name="walk", initial_model=dxo_pb2.BlobRef(sha256=sha))
@@ -224,6 +226,7 @@ def runner_requests(w: World, held: Held) -> dict[str, Request]:
         "UploadBlob": _upload(b"runner", rpb.UploadBlobRequest),
         "GetBlobUploadStatus": rpb.GetBlobUploadStatusRequest(sha256=w.model_sha),
         "DownloadBlob": rpb.DownloadBlobRequest(sha256=w.model_sha),
+        "SignOff": rpb.SignOffRequest(reason="walk", request_id=str(uuid.uuid4())),
     }
 
 
@@ -240,6 +243,7 @@ def control_requests(w: World) -> dict[str, Request]:
         "WatchJob": cpb.WatchJobRequest(job_id=w.job_id),
         "ListDevices": cpb.ListDevicesRequest(),
         "RevokeDevice": cpb.RevokeDeviceRequest(device_id=w.a.device.device_id),
+        "ApproveDevice": cpb.ApproveDeviceRequest(device_id=w.d.device_id),
         "UploadModel": _upload(b"control", cpb.UploadModelRequest),
         "GetModelUploadStatus": cpb.GetModelUploadStatusRequest(sha256=w.model_sha),
         "DownloadModel": cpb.DownloadModelRequest(job_id=w.job_id),

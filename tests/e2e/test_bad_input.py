@@ -137,6 +137,8 @@ async def open_round(
         async with grpc.aio.insecure_channel(coordinator.endpoint.address) as channel:
             control: cgrpc.ControlServiceAsyncStub = cgrpc.ControlServiceStub(channel)
             devices = [await StubDevice(channel).enroll() for _ in range(3)]
+            for device in devices:  # runners ask for work first: only devices that asked are sampled
+                await device.get_job()
             sha = await upload_model(control, weights_dxo(MODEL), admin)
             spec = cpb.JobSpec(name="bad-input", initial_model=dxo_pb2.BlobRef(sha256=sha))
             spec.fedavg.num_rounds = num_rounds

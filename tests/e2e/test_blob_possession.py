@@ -94,9 +94,13 @@ async def test_another_devices_blob_is_invisible_until_uploaded_again_and_then_s
     await _upload(b, UPDATE, offset=HALF)
     assert await _status(b, SHA) == (len(UPDATE), True)
     after = await world.snapshot()
-    # Stored once: the blob row and the blob files are as before; only B's grant was added.
-    assert after["blobs"] == before["blobs"] and after["blob files"] == before["blob files"]
-    assert after["blob_uploads"] == before["blob_uploads"] == []
+    # Stored once: the blob row and the blob files are as before (the row counts as stored again now, so
+    # that no collection takes it before B reports it); only B's grant was added.
+    assert [row[:2] for row in after["blobs"]] == [row[:2] for row in before["blobs"]]
+    assert after["blob files"] == before["blob files"]
+    # No upload is in flight; B's complete upload is marked held (counted in its quota) until it reports it.
+    assert [row[0][:3] for row in after["blob_uploads"]] == ["uh-", "uh-"]  # A's and B's
+    assert set(after["blob_uploads"]) > set(before["blob_uploads"])
     new_grants = set(after["blob_grants"]) - set(before["blob_grants"])
     assert {(sha, device) for sha, device, _ in new_grants} == {(SHA, b.device_id)}
 

@@ -89,6 +89,8 @@ async def fleet(tmp_path: Path, size: int, **settings: Any) -> AsyncIterator[Fle
         async with grpc.aio.insecure_channel(coordinator.endpoint.address) as channel:
             control: cgrpc.ControlServiceAsyncStub = cgrpc.ControlServiceStub(channel)
             devices = [await StubDevice(channel).enroll() for _ in range(size)]
+            for device in devices:  # runners ask for work first: only devices that asked are sampled
+                await device.get_job()
             sha = await upload_model(control, weights_dxo(MODEL), admin)
             yield Fleet(coordinator=coordinator, control=control, admin=admin, devices=devices, model_sha=sha)
 
@@ -203,7 +205,10 @@ async def test_a_failed_result_frees_its_slot_and_keeps_its_reason(tmp_path: Pat
 
 
 async def test_a_device_that_stops_polling_goes_offline_and_is_not_sampled(tmp_path: Path) -> None:
-    async with fleet(tmp_path, 3, device_offline_after=timedelta(seconds=1), **FAST) as f:
+    # The online window must cover a polling device's cadence (max_task_wait + job_retry_after).
+    quick = {"max_task_wait": timedelta(milliseconds=500), "default_task_wait": timedelta(milliseconds=500)}
+    quick |= {"job_retry_after": timedelta(milliseconds=200)}
+    async with fleet(tmp_path, 3, device_offline_after=timedelta(seconds=1), **quick, **FAST) as f:
         active, quiet = f.devices[:2], f.devices[2]
         stop = asyncio.Event()
 

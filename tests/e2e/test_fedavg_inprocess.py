@@ -70,6 +70,8 @@ async def test_fedavg_two_rounds_gives_the_exact_weighted_average(coordinator: C
     async with grpc.aio.insecure_channel(coordinator.endpoint.address) as channel:
         control: cgrpc.ControlServiceAsyncStub = cgrpc.ControlServiceStub(channel)
         devices = [await StubDevice(channel).enroll() for _ in range(3)]
+        for device in devices:  # runners ask for work first: only devices that asked are sampled
+            await device.get_job()
         sha = await upload_model(control, weights_dxo(initial), admin)
         spec = cpb.JobSpec(name="e2e", initial_model=dxo_pb2.BlobRef(sha256=sha))
         spec.fedavg.num_rounds = 2
@@ -112,6 +114,8 @@ async def test_a_rounds_tasks_are_known_to_the_device_protocol_before_any_device
     async with grpc.aio.insecure_channel(coordinator.endpoint.address) as channel:
         control: cgrpc.ControlServiceAsyncStub = cgrpc.ControlServiceStub(channel)
         devices = [await StubDevice(channel).enroll() for _ in range(3)]
+        for device in devices:  # runners ask for work first: only devices that asked are sampled
+            await device.get_job()
         sha = await upload_model(control, weights_dxo({"w": np.zeros(4, np.float32)}), admin)
         spec = cpb.JobSpec(name="known", initial_model=dxo_pb2.BlobRef(sha256=sha))
         spec.fedavg.num_rounds = 1

@@ -46,6 +46,8 @@ async def test_metrics_count_calls_and_follow_the_job(coordinator: Coordinator) 
     async with grpc.aio.insecure_channel(coordinator.endpoint.address) as channel:
         control: cgrpc.ControlServiceAsyncStub = cgrpc.ControlServiceStub(channel)
         devices = [await StubDevice(channel).enroll() for _ in range(2)]
+        for device in devices:  # runners ask for work first: only devices that asked are sampled
+            await device.get_job()
         sha = await upload_model(control, weights_dxo({"w": np.zeros(3, np.float32)}), admin)
         spec = cpb.JobSpec(name="metrics", initial_model=dxo_pb2.BlobRef(sha256=sha))
         spec.fedavg.num_rounds = 1

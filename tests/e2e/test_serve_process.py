@@ -160,6 +160,8 @@ class Device:
             )
         )
         self.device_id, self.credential = reply.device_id, reply.device_credential
+        # A device is sampled only once it has asked for work (GetJob), as every runner does first.
+        self.stub(address).GetJob(rpb.GetJobRequest(protocol_version="1.0"), metadata=self.meta)
 
     def next_task(self, address: str, job_id: str, wait_s: float = PROCESS_WAIT_S) -> rpb.GetTaskResponse:
         stub = self.stub(address)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +14,8 @@ import pytest
 
 from bench.orphans import tied
 from fedlink.common.version import PROTOCOL_VERSION, __version__
+from fedlink.server.app import Coordinator
+from fedlink.server.settings import CoordinatorSettings
 
 pytestmark = pytest.mark.slow
 
@@ -97,3 +101,26 @@ def test_runner_install_explains_the_server_extra(runner_venv: Path, tmp_path: P
     result = run(runner_venv / "fedlink", "serve", cwd=tmp_path)
     assert result.returncode == 2
     assert "fedlink serve needs the server extra: pip install 'fedlink[server]'" in result.stderr
+
+
+async def test_runner_install_runs_the_operator_commands(runner_venv: Path, tmp_path: Path) -> None:
+    # fedlink job / device are gRPC clients: no server extra needed, TLS with the coordinator's CA included.
+    settings = CoordinatorSettings(data_dir=tmp_path / "data", listen_address="127.0.0.1:0")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    async with Coordinator(settings) as coordinator:
+        endpoint = coordinator.endpoint
+        assert endpoint is not None and endpoint.ca_cert is not None
+        connection = ["--server", endpoint.address, "--ca-cert", str(endpoint.ca_cert),
+                      "--data-dir", str(settings.data_dir), "--format", "json"]  # fmt: skip
+        for command in (["job", "list"], ["device", "list"]):
+            # Asynchronously: the coordinator answers on this event loop meanwhile.
+            process = await asyncio.create_subprocess_exec(
+                *tied([str(runner_venv / "fedlink"), *command, *connection]),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                cwd=tmp_path,
+                env=env,
+            )
+            out, err = await asyncio.wait_for(process.communicate(), timeout=300)
+            assert process.returncode == 0, f"fedlink {' '.join(command)}: {err.decode()}"
+            assert json.loads(out) == []

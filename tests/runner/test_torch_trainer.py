@@ -280,6 +280,23 @@ def test_one_module_serves_every_task_and_concurrent_tasks_get_their_own(
     assert results[4].to_bytes() == alone.to_bytes()
 
 
+def test_an_idle_module_keeps_no_gradients(digits_source: ArrayDataSource) -> None:
+    # Gradients of the last step are a model's worth of memory per idle module, and of no use to the
+    # next task (it loads a new global model); a custom train_fn's are dropped too.
+    modules: list[torch.nn.Module] = []
+
+    def train(net: torch.nn.Module, batches: Batches, task: TorchTask) -> dict[str, float]:
+        modules.append(net)
+        for x, y in batches:
+            torch.autograd.backward(torch.nn.functional.cross_entropy(net(x), y))
+        return {}
+
+    for trainer in (TorchTrainer(epochs=1, model_fn=MLP), TorchTrainer(model_fn=MLP, train_fn=train)):
+        trainer.execute(initial(MLP()), ctx(digits_source), Signal())
+        (module,) = modules if trainer.train_fn else trainer._idle
+        assert all(p.grad is None for p in module.parameters())
+
+
 def test_a_pickled_trainer_keeps_its_settings_but_not_its_modules(digits_source: ArrayDataSource) -> None:
     trainer = MLPTrainer(epochs=1, learning_rate=0.2, seed=9)
     first = trainer.execute(initial(MLP()), ctx(digits_source), Signal())

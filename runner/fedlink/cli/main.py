@@ -15,8 +15,9 @@ class FedlinkGroup(click.Group):
     """The top-level group; it adds the server's commands on first use, not at import.
 
     Importing the server commands pulls in SQLAlchemy and friends, so ``fedlink --version`` (handled
-    while parsing, before any command is looked up) never pays for them, and a runner-only install
-    lists stand-ins that say which extra to install.
+    while parsing, before any command is looked up) never pays for them. A runner-only install gets the
+    operator's commands (``job``, ``device``: plain gRPC clients) and, for the others, stand-ins that say
+    which extra to install.
     """
 
     def __init__(self, *args: Any, server_extra: bool | None = None, **kwargs: Any) -> None:
@@ -36,13 +37,15 @@ class FedlinkGroup(click.Group):
             return
         self._server_loaded = True
         installed = server_extra_installed() if self._server_extra is None else self._server_extra
-        if installed:
-            # Imported here so that the runner side never imports the server package on its own.
-            from fedlink.server.cli import server_commands
+        # Imported here so that the runner side never imports the server package on its own.
+        from fedlink.server.cli import operator_commands, server_commands
 
+        if installed:
             for command in server_commands():
                 self.add_command(command)
         else:
+            for command in operator_commands():
+                self.add_command(command)
             for name in SERVER_COMMAND_NAMES:
                 self.add_command(missing_server_extra_command(name))
 
@@ -52,7 +55,11 @@ class FedlinkGroup(click.Group):
         return super().list_commands(ctx)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        """Looks a command up by name, loading the server's commands first."""
+        """Looks a command up by name; the server's commands are loaded only for one of theirs, so that
+        ``fedlink runner`` never imports the server side."""
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            return command
         self._load_server_commands()
         return super().get_command(ctx, cmd_name)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -38,13 +39,30 @@ __all__ = ["runner_command"]
 @click.option("--partition", type=click.Choice(["iid", "dirichlet"]), help="How --data is split.")
 @click.option("--partition-alpha", type=float, help="Dirichlet concentration (smaller: more skew).")
 @click.option("--partition-seed", type=int, help="Seed of the split (the same on every device).")
+@click.option(
+    "--allow-components",
+    multiple=True,
+    metavar="PATTERN",
+    help="Modules a job's component types (pkg.module:Name) may be imported from, e.g. 'mypkg.*' "
+    "(repeatable or comma-separated; none by default: built-in types only).  [env FEDLINK_ALLOW_COMPONENTS]",
+)
 @click.option("--device-info", multiple=True, metavar="K=V", help="Describes the device (repeatable).")
 @click.option("--user-info", multiple=True, metavar="K=V", help="Describes the user (repeatable).")
 @click.option("--job-timeout", help="How long to look for a job before exiting (0: for ever).")
 @click.option("--task-wait", help="Long-poll wait of one GetTask, e.g. 20s.")
 @click.option("--per-request", help="Deadline of other calls, e.g. 30s.")
+@click.option(
+    "--connect-timeout",
+    help="How long the coordinator may stay unreachable before exiting 1 with the cause (default 5m; "
+    "0: for ever).",
+)
 @click.option("--shutdown-grace", help="On SIGTERM, time the current task may take, e.g. 30s.")
 @click.option("--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL.")
+@click.option(
+    "--log-format",
+    type=click.Choice(["console", "json"]),
+    help="console (readable lines, the default) or json (one object per line, ids as fields).",
+)
 @click.option(
     "--config",
     "config_file",
@@ -54,17 +72,23 @@ __all__ = ["runner_command"]
 def runner_command(config_file: Path | None, **flags: object) -> None:
     """Run the edge runner: take tasks from the coordinator until stopped (SIGTERM: finish, then exit 0).
 
-    Settings come from defaults < --config TOML < FEDLINK_* environment < flags.
+    Settings come from defaults < --config TOML < FEDLINK_* environment < flags. Exit status: 0 when the
+    session is over or a signal stopped it, 1 when it cannot go on (the coordinator unreachable for
+    --connect-timeout, a refused credential), 2 for settings it cannot start with (a bad --ca-cert).
     """
     # Imported here so that `fedlink --help` stays fast.
-    from fedlink.runner.daemon import configure_logging, run_daemon
     from fedlink.runner.settings import load_runner_settings
 
-    for name in ("device_info", "user_info"):
+    for name in ("device_info", "user_info", "allow_components"):
         flags[name] = list(flags[name]) if flags[name] else None  # type: ignore[call-overload]
     try:
         settings = load_runner_settings(config_file, flags=flags)
     except InvalidArgument as exc:
         raise click.UsageError(str(exc)) from None
-    configure_logging(settings.log_level)
+    # gRPC's C core logs every failed handshake on its own, in its own format: the runner says the cause
+    # once, in its log (DEBUG keeps gRPC's errors). Read when grpc is first imported, just below.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR" if settings.log_level == "DEBUG" else "NONE")
+    from fedlink.runner.daemon import configure_logging, run_daemon
+
+    configure_logging(settings.log_level, settings.log_format)
     raise SystemExit(run_daemon(settings))

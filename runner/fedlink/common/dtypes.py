@@ -9,27 +9,55 @@ bfloat16 tensor still decodes, but widened to float32: every bfloat16 value is e
 in float32, so nothing is lost, and numpy arithmetic on the result (e.g. averaging) is correct. We chose
 this over handing out the raw bits as uint16, which numpy would happily average into nonsense. The
 price: the array is twice the size, and re-encoding it sends float32 unless the sender has ml_dtypes.
+
+ml_dtypes is imported the first time bfloat16 is needed (a bfloat16 tensor decoded, or ``BFLOAT16``
+read), not with this module: its import takes a second or more, and most processes (the runner, the
+CLI) never see a bfloat16 tensor.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
 from fedlink.common.errors import InvalidArgument
 
-# The bfloat16 dtype when ml_dtypes is installed, else None. Read at call time (never copied), so a
-# test may set it to None to exercise the fallback.
+# The bfloat16 dtype when ml_dtypes is installed, else None. Not set at import: the first read of
+# ``dtypes.BFLOAT16`` (module __getattr__) or _bfloat16() loads ml_dtypes and sets it. Read at call
+# time (never copied), so a test may set it to None to exercise the fallback.
 BFLOAT16: np.dtype[np.void] | None
-try:
-    from ml_dtypes import bfloat16 as _bfloat16
 
-    BFLOAT16 = np.dtype(_bfloat16)
-except ImportError:  # pragma: no cover - the dev environment has it
-    BFLOAT16 = None
+
+def _load_bfloat16() -> np.dtype[np.void] | None:
+    try:
+        from ml_dtypes import bfloat16
+    except ImportError:  # pragma: no cover - the dev environment has it
+        value = None
+    else:
+        value = np.dtype(bfloat16)
+    globals()["BFLOAT16"] = value
+    return value
+
+
+def _bfloat16() -> np.dtype[np.void] | None:
+    """``BFLOAT16``, loading ml_dtypes on first use (or what a test set it to)."""
+    value = globals().get("BFLOAT16", _UNSET)
+    return _load_bfloat16() if value is _UNSET else value
+
+
+if not TYPE_CHECKING:  # mypy sees the annotation above; a __getattr__ would hide misspelt names from it
+
+    def __getattr__(name: str) -> Any:
+        """``BFLOAT16`` on first read (PEP 562): ml_dtypes is imported then, not with the module."""
+        if name == "BFLOAT16":
+            return _load_bfloat16()
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_UNSET: Final = object()
 
 # Wire name -> little-endian dtype of one element on the wire. bfloat16 is read as its raw bits.
 _WIRE_DTYPES: Final[dict[str, np.dtype[np.generic]]] = {
@@ -76,7 +104,7 @@ def native_bfloat16() -> np.dtype[np.void] | None:
     """The bfloat16 dtype that decoded tensors use, or None when they are widened to float32."""
     # On a big-endian host ml_dtypes' native bfloat16 cannot view little-endian bytes directly;
     # we take the (exact) float32 path there rather than carry untested byte-swapping code.
-    return BFLOAT16 if sys.byteorder == "little" else None
+    return _bfloat16() if sys.byteorder == "little" else None
 
 
 def wire_dtype(name: str) -> np.dtype[np.generic]:
@@ -98,7 +126,8 @@ def dtype_name(dtype: np.dtype[np.generic], *, tensor: str = "") -> str:
     Raises:
         InvalidArgument: The dtype has no wire form (complex, object, strings, float128, ...).
     """
-    if BFLOAT16 is not None and dtype == BFLOAT16:
+    # Only ml_dtypes makes a dtype named bfloat16: when there is none, it need not be loaded to know.
+    if dtype.name == "bfloat16" and dtype == _bfloat16():
         return "bfloat16"
     name = _NAME_BY_KIND.get((dtype.kind, dtype.itemsize)) if dtype.kind in "biuf" else None
     if name is None:

@@ -41,6 +41,7 @@ from fedlink.common.tensors import (
     fill_tensor,
     tensor_encoding,
 )
+from fedlink.common.wire_slices import merge_in_slices
 from fedlink.v1 import dxo_pb2
 
 __all__ = [
@@ -305,15 +306,24 @@ class DXO:
         return cls(kind=kind, data=arrays, meta=dict(meta))
 
 
-def parse_dxo(data: bytes) -> dxo_pb2.Dxo:
+def parse_dxo(data: bytes, *, slice_bytes: int | None = None) -> dxo_pb2.Dxo:
     """Parses serialized bytes into the wire message, decoding nothing (see :meth:`DXO.from_proto`).
+
+    Args:
+        data: The serialized ``Dxo``.
+        slice_bytes: Parse about this many bytes of fields at a time (see
+            :func:`~fedlink.common.wire_slices.merge_in_slices`), so that a worker thread parsing a
+            large DXO lets the other threads run in between; None: in one call.
 
     Raises:
         InvalidArgument: The bytes are not a valid ``Dxo`` message.
     """
     message = dxo_pb2.Dxo()
     try:
-        message.ParseFromString(data)
+        if slice_bytes is None:
+            message.ParseFromString(data)
+        else:
+            merge_in_slices(message, data, slice_bytes)
     except DecodeError as exc:
         raise InvalidArgument(f"DXO bytes are not a valid fedlink.v1.Dxo message: {exc}") from None
     return message

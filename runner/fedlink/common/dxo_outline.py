@@ -153,13 +153,31 @@ class DeclaredDxo:
         self.tensors: Mapping[str, TensorOutline] = _DeclaredTensors(message.data, "", max_elements)
 
     @classmethod
-    def parse(cls, data: bytes, *, max_elements: int = MAX_TENSOR_ELEMENTS) -> DeclaredDxo:
-        """Parses serialized bytes of a ``Dxo`` message, decoding nothing.
+    def parse(
+        cls, data: bytes, *, max_elements: int = MAX_TENSOR_ELEMENTS, slice_bytes: int | None = None
+    ) -> DeclaredDxo:
+        """Parses serialized bytes of a ``Dxo`` message, decoding nothing (``slice_bytes``: see
+        :func:`~fedlink.common.dxo.parse_dxo`).
 
         Raises:
             InvalidArgument: Not a valid ``Dxo`` message, or as the constructor.
         """
-        return cls(parse_dxo(data), max_elements=max_elements)
+        return cls(parse_dxo(data, slice_bytes=slice_bytes), max_elements=max_elements)
+
+    def canonical_bytes(self) -> bytes:
+        """The message serialized deterministically (map entries by key): the same for the same DXO
+        whatever order its sender wrote it in."""
+        return self._message.SerializeToString(deterministic=True)
+
+    def tensor_count(self) -> int:
+        """How many tensors the DXO carries, its items' included."""
+        total = 0
+        pending = [self._message]
+        while pending:
+            message = pending.pop()
+            total += len(message.data)
+            pending.extend(message.items.values())
+        return total
 
     def decoded_nbytes(self) -> int:
         """The size in bytes of the arrays :meth:`decode` would build, its items' included.

@@ -3,18 +3,27 @@
 Every failure the code raises on purpose is a :class:`FedlinkError`. Each subclass names a category that
 maps to exactly one gRPC status code; the mapping lives in one place on each side of the wire
 (``fedlink.server.api.errors`` for the coordinator). Messages are for people: they say what was wrong
-and, where it helps, what to do.
+and, where it helps, what to do. An error that passes once the caller waits (a store outage, a rate
+limit) says how long in ``retry_after``; on the wire it travels as a ``google.rpc.RetryInfo``.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 
 class FedlinkError(Exception):
-    """Root of every error fedlink raises on purpose."""
+    """Root of every error fedlink raises on purpose.
 
-    def __init__(self, message: str) -> None:
+    Args:
+        message: What was wrong, for a person.
+        retry_after: How long the caller should wait before trying again, when waiting may help.
+    """
+
+    def __init__(self, message: str, *, retry_after: timedelta | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.retry_after = retry_after
 
 
 class InvalidArgument(FedlinkError):
@@ -61,6 +70,10 @@ class PermissionDenied(FedlinkError):
 
 class Unavailable(FedlinkError):
     """The service cannot answer now (shutting down, store unreachable); retry with backoff."""
+
+
+class DataLoss(FedlinkError):
+    """Stored data is corrupted or lost: e.g. a blob's bytes no longer hash to its sha256."""
 
 
 class SchemaMismatch(FedlinkError):

@@ -1,6 +1,7 @@
 """The device side of fedlink: NVFlare-style executors, filters, data sources and job-config processing."""
 
 from fedlink.runner.config import (
+    ComponentNotAllowed,
     ComponentResolver,
     JobConfig,
     JobConfigError,
@@ -15,6 +16,7 @@ __all__ = [
     "Aborted",
     "ArrayDataset",
     "Batch",
+    "ComponentNotAllowed",
     "ComponentResolver",
     "Context",
     "ContextKey",

@@ -26,15 +26,28 @@ The ``type`` of a component is looked up in a :class:`ResolverRegistry`: the bui
 entry is a class or factory called as ``factory(**args)``, or a :class:`ComponentResolver` subclass
 (NVFlare's way to build device-native objects), constructed as ``cls(type, name, args)`` and asked to
 ``resolve()``.
+
+A type that is in neither and is spelled as an import path, ``pkg.module:Name`` (``Name`` may be
+dotted, ``Outer.Inner``), is imported — but only if the module matches one of the ``allow_components``
+patterns (``fnmatch``, e.g. ``"mypkg.*"``) the caller passes: on a device that is code chosen by whoever
+submitted the job, so the device's owner decides (:class:`ComponentNotAllowed` otherwise, before the
+module is imported). The object found must be a public class or factory of an allowed module: an
+allowed module cannot lend out what it imported (``mypkg.mod:subprocess.run``, ``mypkg.mod:Popen``
+after ``from subprocess import Popen``, and private or dunder names are refused).
 """
 
 from __future__ import annotations
 
+import difflib
+import fnmatch
 import functools
+import importlib
 import inspect
 import json
+import re
+import types
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -42,21 +55,41 @@ from fedlink.common.errors import FedlinkError, InvalidArgument
 from fedlink.runner.spec import EventHandler, Executor, Filter
 
 __all__ = [
+    "ALLOW_COMPONENTS",
+    "ComponentNotAllowed",
     "ComponentResolver",
+    "ComponentSpec",
     "JobConfig",
     "JobConfigError",
+    "JobOutline",
     "NoExecutorForTask",
     "ResolverRegistry",
+    "check_args",
+    "did_you_mean",
+    "is_import_path",
+    "load_component_type",
+    "module_allowed",
+    "outline_job_data",
     "process_job_data",
+    "split_import_path",
 ]
 
 ANY_TASK: Final = "*"
 _KEYS: Final = ("components", "executors", "in_filters", "out_filters", "handlers")
 _LEGACY_TRAINER: Final = "trainer"
+#: The runner setting that allows import-path component types (named in every refusal).
+ALLOW_COMPONENTS: Final = "allow_components"
+_IDENTIFIER: Final = r"[A-Za-z_][A-Za-z0-9_]*"
+_IMPORT_PATH: Final = re.compile(rf"{_IDENTIFIER}(\.{_IDENTIFIER})*:{_IDENTIFIER}(\.{_IDENTIFIER})*")
 
 
 class JobConfigError(InvalidArgument):
     """``job_data`` is malformed; the message names the offending key, component or reference."""
+
+
+class ComponentNotAllowed(JobConfigError):
+    """A component type names a module (``pkg.module:Name``) that the ``allow_components`` patterns do
+    not allow; nothing of it was imported."""
 
 
 class NoExecutorForTask(JobConfigError):
@@ -155,38 +188,83 @@ class JobConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class _Spec:
+class ComponentSpec:
+    """One entry of ``components``, as written (nothing built)."""
+
     type: str
     name: str
     args: dict[str, Any]
+    #: The names its args reference (``"@name"``), each once, in the order first found.
     refs: tuple[str, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class JobOutline:
+    """A ``job_data`` document checked for shape, names, references and cycles, with nothing built."""
+
+    #: The parsed document (``executors``, the filter and handler lists as written).
+    document: Mapping[str, Any]
+    #: The components in the order they are built: referenced components first.
+    components: tuple[ComponentSpec, ...]
+
+    def executor_refs(self) -> Mapping[str, object]:
+        """``executors`` as written (task name -> ``"@name"``); NVFlare's legacy rule when absent: a
+        component named ``trainer`` serves every task."""
+        raw = self.document.get("executors")
+        if raw is None:
+            legacy = any(spec.name == _LEGACY_TRAINER for spec in self.components)
+            return {ANY_TASK: f"@{_LEGACY_TRAINER}"} if legacy else {}
+        if not isinstance(raw, Mapping):
+            raise JobConfigError(
+                f"job_data 'executors' must be an object (task name -> '@name'), not {raw!r}"
+            )
+        return raw
+
+
+def outline_job_data(job_data: str | bytes | Mapping[str, Any]) -> JobOutline:
+    """Parses ``job_data`` and checks what needs nothing built: its keys, every component's entry,
+    unique names, that every ``@ref`` in args names a component, and that references have no cycle.
+
+    Raises:
+        JobConfigError: The first problem found; the message names the entry.
+    """
+    doc = _parse(job_data)
+    return JobOutline(
+        document=doc, components=tuple(_dependency_order(_component_specs(doc.get("components"))))
+    )
+
+
 def process_job_data(
-    job_data: str | bytes | Mapping[str, Any], registry: ResolverRegistry | None = None
+    job_data: str | bytes | Mapping[str, Any],
+    registry: ResolverRegistry | None = None,
+    *,
+    allow_components: Sequence[str] = (),
 ) -> JobConfig:
     """Parse and build a job config.
 
     Args:
         job_data: The JSON document (``str``/``bytes``) or the parsed object.
         registry: The app's resolvers; they override the built-ins of the same type name.
+        allow_components: ``fnmatch`` patterns of the modules from which a type neither registry has
+            may be imported (``pkg.module:Name``); none by default.
 
     Returns:
         The built :class:`JobConfig`.
 
     Raises:
+        ComponentNotAllowed: An import-path type from a module the patterns do not allow.
         JobConfigError: Invalid JSON, a wrong shape, an unknown type, a missing or cyclic reference,
             a duplicate name, a constructor that rejects its args, or a filter/executor/handler
             reference to a component of the wrong kind. The message names the offending entry.
     """
-    doc = _parse(job_data)
+    outline = outline_job_data(job_data)
     resolvers = _builtins().merged(registry)
-    specs = _component_specs(doc.get("components"))
     components: dict[str, object] = {}
-    for spec in _dependency_order(specs):
-        components[spec.name] = _build(spec, resolvers, components)
+    for spec in outline.components:
+        components[spec.name] = _build(spec, resolvers, components, tuple(allow_components))
 
-    executors = _executors(doc, components)
+    doc = outline.document
+    executors = _executors(outline, components)
     return JobConfig(
         components=components,
         executors=executors,
@@ -212,10 +290,10 @@ def _parse(job_data: str | bytes | Mapping[str, Any]) -> Mapping[str, Any]:
     return doc
 
 
-def _component_specs(raw: object) -> list[_Spec]:
+def _component_specs(raw: object) -> list[ComponentSpec]:
     if not isinstance(raw, list):
         raise JobConfigError(f"job_data 'components' must be a list, not {type(raw).__name__}")
-    specs: dict[str, _Spec] = {}
+    specs: dict[str, ComponentSpec] = {}
     for index, entry in enumerate(raw):
         where = f"components[{index}]"
         if not isinstance(entry, Mapping):
@@ -232,7 +310,8 @@ def _component_specs(raw: object) -> list[_Spec]:
             raise JobConfigError(f"{where}: 'args' must be an object, not {type(args).__name__}")
         if name in specs:
             raise JobConfigError(f"{where}: duplicate component name {name!r}")
-        specs[name] = _Spec(entry["type"], name, dict(args), tuple(dict.fromkeys(_refs_in(args))))
+        refs = tuple(dict.fromkeys(_refs_in(args)))
+        specs[name] = ComponentSpec(entry["type"], name, dict(args), refs)
     for spec in specs.values():
         for ref in spec.refs:
             if ref not in specs:
@@ -252,11 +331,11 @@ def _refs_in(value: object) -> Iterator[str]:
             yield from _refs_in(item)
 
 
-def _dependency_order(specs: list[_Spec]) -> list[_Spec]:
+def _dependency_order(specs: list[ComponentSpec]) -> list[ComponentSpec]:
     """Depth-first topological order, declaration order among independent components."""
     by_name = {spec.name: spec for spec in specs}
     done: set[str] = set()
-    order: list[_Spec] = []
+    order: list[ComponentSpec] = []
     path: list[str] = []
 
     def visit(name: str) -> None:
@@ -287,24 +366,137 @@ def _substitute(value: Any, built: Mapping[str, object]) -> Any:
     return value
 
 
-def _build(spec: _Spec, resolvers: ResolverRegistry, built: Mapping[str, object]) -> object:
+def _build(
+    spec: ComponentSpec,
+    resolvers: ResolverRegistry,
+    built: Mapping[str, object],
+    allow_components: tuple[str, ...],
+) -> object:
     where = f"component {spec.name!r} (type {spec.type!r})"
-    try:
+    if spec.type in resolvers:
         factory = resolvers.get(spec.type)
-    except KeyError:
+    elif is_import_path(spec.type):
+        factory = load_component_type(spec.type, allow_components, component=spec.name)
+    else:
         raise JobConfigError(
-            f"component {spec.name!r} has unknown type {spec.type!r}; known types: {', '.join(resolvers)}"
-        ) from None
+            f"component {spec.name!r} has unknown type {spec.type!r}{did_you_mean(spec.type, resolvers)}; "
+            f"known types: {', '.join(resolvers)}, or an app's own as pkg.module:Name"
+        )
     args = _substitute(spec.args, built)
     try:
         if isinstance(factory, type) and issubclass(factory, ComponentResolver):
             return factory(spec.type, spec.name, args).resolve()
-        _check_signature(factory, args, where)
+        check_args(factory, args, where)
         return factory(**args)
     except JobConfigError:
         raise
     except (TypeError, ValueError, FedlinkError) as exc:
         raise JobConfigError(f"{where} rejected its args: {exc}") from exc
+
+
+def did_you_mean(type_name: str, known: Iterable[str]) -> str:
+    """``" (did you mean 'X'?)"`` for the known type closest to a misspelt ``type_name``, else ""."""
+    names = list(known)
+    by_case = {name.lower(): name for name in names}
+    if type_name.lower() in by_case:
+        return f" (did you mean {by_case[type_name.lower()]!r}?)"
+    if "." in type_name and ":" not in type_name:  # mypkg.mod.Trainer for mypkg.mod:Trainer
+        module, _, attribute = type_name.rpartition(".")
+        return f" (did you mean {module + ':' + attribute!r}?)"
+    close = difflib.get_close_matches(type_name, names, n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# ---- import-path types -------------------------------------------------------------------------------
+
+
+def is_import_path(type_name: str) -> bool:
+    """Whether a type is spelled as an import path (it has a colon); its form is checked on loading."""
+    return ":" in type_name
+
+
+def split_import_path(type_name: str) -> tuple[str, str]:
+    """``"pkg.module:Name"`` as its module and attribute.
+
+    Raises:
+        JobConfigError: Not of that form.
+    """
+    if not _IMPORT_PATH.fullmatch(type_name):
+        raise JobConfigError(
+            f"component type {type_name!r} is not a built-in type's name nor an import path of the form "
+            "pkg.module:Name"
+        )
+    module, _, attribute = type_name.partition(":")
+    return module, attribute
+
+
+def module_allowed(module: str, patterns: Sequence[str]) -> bool:
+    """Whether an ``fnmatch`` pattern of ``patterns`` matches the module's full name; ``pkg.*`` also
+    matches ``pkg`` itself (the package and everything under it)."""
+    return any(
+        fnmatch.fnmatchcase(module, pattern) or (pattern.endswith(".*") and module == pattern[:-2])
+        for pattern in patterns
+    )
+
+
+def _not_allowed(subject: str, module: str, patterns: Sequence[str]) -> ComponentNotAllowed:
+    allowed = ", ".join(repr(p) for p in patterns) if patterns else "nothing"
+    top = module.split(".")[0]
+    return ComponentNotAllowed(
+        f"{subject}, which this runner does not allow (its {ALLOW_COMPONENTS} setting allows {allowed}). "
+        f"That is code chosen by whoever submitted the job; to run it, the device's owner adds "
+        f"{module!r} or a pattern such as '{top}.*' to {ALLOW_COMPONENTS} (--allow-components, the "
+        f"runner's TOML or FEDLINK_{ALLOW_COMPONENTS.upper()})"
+    )
+
+
+def load_component_type(type_name: str, allow_components: Sequence[str], *, component: str = "") -> Factory:
+    """The class or factory an import-path type names, imported only from an allowed module.
+
+    Args:
+        type_name: ``pkg.module:Name``.
+        allow_components: ``fnmatch`` patterns of the modules that may be imported (``"*"``: any).
+        component: The component's name, for the messages.
+
+    Raises:
+        ComponentNotAllowed: The module, or the one the object is defined in, is not allowed (checked
+            before anything is imported).
+        JobConfigError: Not of the form, the module cannot be imported, or it has no such class or
+            factory.
+    """
+    what = f"component {component!r} has type {type_name!r}" if component else f"type {type_name!r} is"
+    module_name, attribute = split_import_path(type_name)
+    if not module_allowed(module_name, allow_components):
+        raise _not_allowed(f"{what} from module {module_name!r}", module_name, allow_components)
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as exc:  # an ImportError, or whatever the module's own code raised
+        raise JobConfigError(
+            f"{what}: cannot import module {module_name!r}: {type(exc).__name__}: {exc} (is it installed, "
+            "or on the runner's PYTHONPATH?)"
+        ) from None
+    for part in attribute.split("."):
+        # Private and dunder names (``__globals__``, ``__class__``...) would lead anywhere.
+        found = None if part.startswith("_") else getattr(target, part, None)
+        if found is None or isinstance(found, types.ModuleType):
+            # Through a module the allowed one imported, anything would be reachable.
+            raise JobConfigError(
+                f"{what}: module {module_name!r} has no public class or factory {attribute!r}"
+            )
+        target = found
+    # A class or function an allowed module imported from elsewhere is that other module's code.
+    defined_in = getattr(target, "__module__", None)
+    if (
+        (inspect.isclass(target) or inspect.isroutine(target))
+        and isinstance(defined_in, str)
+        and defined_in != module_name
+        and not module_allowed(defined_in, allow_components)
+    ):
+        raise _not_allowed(f"{what}, defined in module {defined_in!r}", defined_in, allow_components)
+    if not callable(target):
+        raise JobConfigError(f"{what}: {attribute!r} of {module_name!r} is not a class or factory")
+    factory: Factory = target
+    return factory
 
 
 @functools.cache
@@ -326,7 +518,12 @@ def _signature_of(factory: Factory) -> inspect.Signature | None:
         return None
 
 
-def _check_signature(factory: Factory, args: Mapping[str, Any], where: str) -> None:
+def check_args(factory: Factory, args: Mapping[str, Any], where: str) -> None:
+    """Checks that ``factory`` accepts ``args`` by name (without calling it).
+
+    Raises:
+        JobConfigError: An arg it does not take, or a required one missing; names ``where``.
+    """
     # Binding first turns "__init__() got an unexpected keyword argument" into a message naming
     # the component, and keeps TypeErrors raised inside a constructor distinguishable.
     try:
@@ -351,16 +548,9 @@ def _ref_target(value: object, where: str, components: Mapping[str, object]) -> 
         raise JobConfigError(f"{where} references undefined component {value!r}") from None
 
 
-def _executors(doc: Mapping[str, Any], components: Mapping[str, object]) -> dict[str, Executor]:
-    raw = doc.get("executors")
-    if raw is None:
-        # NVFlare's legacy form: no executors, a component named "trainer" runs every task.
-        legacy = components.get(_LEGACY_TRAINER)
-        raw = {ANY_TASK: f"@{_LEGACY_TRAINER}"} if legacy is not None else {}
-    if not isinstance(raw, Mapping):
-        raise JobConfigError(f"job_data 'executors' must be an object (task name -> '@name'), not {raw!r}")
+def _executors(outline: JobOutline, components: Mapping[str, object]) -> dict[str, Executor]:
     executors: dict[str, Executor] = {}
-    for task_name, ref in raw.items():
+    for task_name, ref in outline.executor_refs().items():
         where = f"executors[{task_name!r}]"
         target = _ref_target(ref, where, components)
         if not isinstance(target, Executor):

@@ -3,18 +3,23 @@
 SIGTERM or SIGINT stops polling at once; the task in progress gets ``shutdown_grace`` to finish and be
 reported, then it is aborted and released, and the process exits 0. A second signal aborts at once.
 A result that could not be delivered stays in the state directory and is sent by the next start.
+
+Exit status: 0 when the session is over or a signal stopped it; 1 when the runner cannot go on (the
+coordinator unreachable for ``connect_timeout``, a refused credential...), which systemd restarts; 2
+when it cannot start at all (a CA file that is missing or not PEM): fix the settings first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
-import sys
 from typing import Final
 
+from fedlink.common import logs
 from fedlink.common.errors import FedlinkError
-from fedlink.runner.data import NpzDataSource, PartitionedDataSource
+from fedlink.runner.data import DeviceData
 from fedlink.runner.loop import Runner
 from fedlink.runner.settings import RunnerSettings
 from fedlink.runner.spec import DataSource
@@ -23,35 +28,48 @@ from fedlink.runner.transport.grpc_transport import GrpcTransport, GrpcTransport
 __all__ = ["build_runner", "configure_logging", "run_daemon"]
 
 _log = logging.getLogger(__name__)
-#: Exit status when the runner cannot go on (bad settings, a refused credential...): systemd restarts it.
+#: Exit status when the runner cannot go on (unreachable, a refused credential...): systemd restarts it.
 EXIT_FAILURE: Final = 1
+#: Exit status when the runner cannot start with these settings (a CA file that is not PEM...).
+EXIT_CONFIG: Final = 2
 
 
-def configure_logging(level: str) -> None:
-    """One line per record on stderr (journald adds its own timestamps, but plain runs want them)."""
-    logging.basicConfig(
-        level=level,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        force=True,
-    )
+def configure_logging(level: str, format: str = "console") -> logging.Handler:
+    """One line per record on stderr: readable (``console``) or a JSON object (``json``).
+
+    The format is the coordinator's (:mod:`fedlink.common.logs`): job, task and device ids are fields.
+    """
+    return logs.configure_logging(format, level)
+
+
+class _DeviceIdField(logging.Filter):
+    """Adds the device id to every record once the device has one (one device per daemon process)."""
+
+    def __init__(self, runner: Runner) -> None:
+        super().__init__()
+        self._transport = runner.transport
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Stamps ``device_id`` (unless the record has its own) and lets the record through."""
+        if not hasattr(record, "device_id"):
+            with contextlib.suppress(FedlinkError):  # not enrolled yet
+                record.device_id = self._transport.device_id
+        return True
 
 
 def build_data_source(settings: RunnerSettings) -> DataSource | None:
     """The data source the settings describe (None without ``data``)."""
     if settings.data is None:
         return None
-    source: DataSource = NpzDataSource(settings.data)
-    if settings.partition_id is not None:
-        source = PartitionedDataSource(
-            source,
-            num_partitions=settings.num_partitions,
-            partition_id=settings.partition_id,
-            method="dirichlet" if settings.partition == "dirichlet" else "iid",
-            alpha=settings.partition_alpha,
-            seed=settings.partition_seed,
-        )
-    return source
+    data = DeviceData(
+        path=settings.data,
+        partition="dirichlet" if settings.partition == "dirichlet" else "iid",
+        alpha=settings.partition_alpha,
+        seed=settings.partition_seed,
+    )
+    if settings.partition_id is None:
+        return data.whole()
+    return data.partitioned(settings.partition_id, settings.num_partitions)
 
 
 def build_runner(settings: RunnerSettings) -> Runner:
@@ -67,6 +85,7 @@ def build_runner(settings: RunnerSettings) -> Runner:
             user_info=settings.user_info,
             task_wait=settings.task_wait,
             per_request=settings.per_request,
+            connect_timeout=settings.connect_timeout,
         )
     )
     return Runner(
@@ -78,6 +97,7 @@ def build_runner(settings: RunnerSettings) -> Runner:
         transport=transport,
         partition_id=settings.partition_id,
         num_partitions=settings.num_partitions,
+        allow_components=settings.allow_components,
     )
 
 
@@ -109,6 +129,14 @@ def run_daemon(settings: RunnerSettings) -> int:
     """Runs until the session is over or a signal stops it; returns the process exit status."""
     try:
         runner = build_runner(settings)
+    except FedlinkError as exc:
+        _log.error(f"runner cannot start: {exc}")
+        return EXIT_CONFIG
+    device_id = _DeviceIdField(runner)
+    handlers = list(logging.getLogger().handlers)
+    for handler in handlers:
+        handler.addFilter(device_id)
+    try:
         _log.info(
             "runner starting",
             extra={
@@ -121,4 +149,7 @@ def run_daemon(settings: RunnerSettings) -> int:
     except FedlinkError as exc:
         _log.error(f"runner stopped: {type(exc).__name__}: {exc}")
         return EXIT_FAILURE
+    finally:
+        for handler in handlers:
+            handler.removeFilter(device_id)
     return 0

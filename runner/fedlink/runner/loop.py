@@ -9,14 +9,17 @@ One state machine (the statuses are the proto's ``RunnerStatus``)::
                            │  NO_TASK / DONE ─► GET_JOB                         REPORT DONE ─► GET_JOB
 
 * GetJob's DONE (or ``job_timeout`` spent without getting a job) ends the session: :meth:`Runner.run`
-  returns. GetTask's and ReportResult's DONE end the *job*; GetJob then offers the next one (or says
-  DONE, or nothing until the timeout).
+  returns. The first job's discovery includes connecting and enrolling: a runner that cannot reach the
+  coordinator when its job timeout ends raises :class:`~fedlink.common.errors.Unavailable` with the
+  cause, rather than waiting on. GetTask's and ReportResult's DONE end the *job*; GetJob then offers
+  the next one (or says DONE, or nothing until the timeout).
 * TASK, handed to the runner's :class:`TaskWorker` as a :class:`TaskWork` (executors are synchronous
   numpy code; the default worker runs it on the event loop's default executor, a simulation gives its
   own pool, or a worker that runs it elsewhere): a new :class:`Context` per task
   (runner, data source, components, handlers, task id/name/data, executor, partition) → app in-filters
   then job in-filters → ``BEFORE_TRAIN`` → executor → ``AFTER_TRAIN`` → app out-filters then job
-  out-filters. Meanwhile the event loop renews the lease every third of its length.
+  out-filters. Meanwhile the event loop renews the lease every third of its length (a failed renewal is
+  retried with the runner's backoff, never in a tight loop).
 * A task that goes wrong — no executor for its name, a bad job config, an executor or filter that
   raises or returns something that is not a valid DXO — is reported as a FAILED result whose message
   is the exception's type and text. The daemon never dies of it.
@@ -29,8 +32,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import logging
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -39,7 +44,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Final, Protocol, TypeVar, runtime_checkable
 
 from fedlink.common.dxo import DXO
-from fedlink.common.errors import FedlinkError, InvalidArgument
+from fedlink.common.errors import FedlinkError, InvalidArgument, Unavailable
 from fedlink.runner.config import JobConfig, ResolverRegistry, process_job_data
 from fedlink.runner.context import Aborted, Context, ContextKey, EventType, Signal
 from fedlink.runner.spec import DataSource, Filter
@@ -52,6 +57,10 @@ _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 #: How long a stopping runner waits for an aborted executor to notice, before releasing anyway.
 _ABORT_WAIT: Final = 5.0
+#: How long a runner that stops waits for the coordinator to take its SignOff.
+_SIGN_OFF_WAIT: Final = 5.0
+#: Past the job timeout, how often to look again whether the coordinator is still being reached.
+_RECHECK_S: Final = 0.5
 
 
 class _Stopped(Exception):
@@ -166,6 +175,7 @@ class Runner:
         num_partitions: int | None = None,
         backoff: Backoff | None = None,
         worker: TaskWorker | concurrent.futures.Executor | None = None,
+        allow_components: Sequence[str] = (),
     ) -> None:
         """Creates a runner.
 
@@ -186,6 +196,9 @@ class Runner:
             worker: Where task work (filters and executor) runs: a :class:`TaskWorker`, or an
                 executor (wrapped in :class:`ExecutorWorker`); default: the event loop's default
                 executor.
+            allow_components: ``fnmatch`` patterns of the modules a job's component types may be
+                imported from (``pkg.module:Name``; ``pkg.*`` also allows ``pkg``); none by default:
+                that is code chosen by whoever submitted the job.
         """
         seconds = job_timeout.total_seconds() if isinstance(job_timeout, timedelta) else float(job_timeout)
         if not seconds > 0:
@@ -200,6 +213,7 @@ class Runner:
         self.app_in_filters = tuple(in_filters or ())
         self.app_out_filters = tuple(out_filters or ())
         self.resolver_registry = resolver_registry
+        self.allow_components = tuple(allow_components)
         self.transport = transport
         self.partition: tuple[int, int] | None = None
         if partition_id is not None and num_partitions is not None:
@@ -222,6 +236,8 @@ class Runner:
         self._pending_grace: float | None = None
         self._task_signal: Signal | None = None
         self._stop_reason = "stopped"
+        #: Why the session ended by itself (for SignOff); a stop gives its own reason.
+        self._end_reason = "runner exited"
 
     # ---- the public surface ----
     def run(self) -> None:
@@ -235,15 +251,20 @@ class Runner:
         if self._stop_requested.is_set():
             self._begin_stop(self._pending_grace or 0.0)
         try:
-            await self._guarded(self.transport.open())
+            # The first job's discovery starts now: connecting and enrolling count against it.
+            first = time.monotonic() + self.job_timeout
+            await self._within(first, self.transport.open(), "connect and enrol")
+            give_up: float | None = first
             while not self._stopping:
-                job = await self._get_job()
+                job = await self._get_job(give_up)
+                give_up = None
                 if job is None:
                     return
                 await self._do_job(job)
         except _Stopped:
             pass
         finally:
+            await self._sign_off()
             await self.transport.close()
             _log.info("runner stopped", extra={"tasks": len(self.history)})
 
@@ -316,29 +337,82 @@ class Runner:
     async def _sleep(self, seconds: float) -> None:
         await self._guarded(asyncio.sleep(seconds))
 
+    async def _sign_off(self) -> None:
+        """Tells the coordinator that this device stops, so that it is not sampled until it is back.
+
+        Best effort and bounded: a runner that cannot say so is counted offline after a while anyway.
+        """
+        reason = self._stop_reason if self._stopping else self._end_reason
+        try:
+            await asyncio.wait_for(self.transport.sign_off(reason), _SIGN_OFF_WAIT)
+        except (FedlinkError, TimeoutError) as exc:
+            _log.info(f"could not sign off: {exc or type(exc).__name__}")
+
+    async def _within(self, deadline: float, awaitable: Awaitable[_T], what: str) -> _T:
+        """Awaits ``awaitable`` (guarded); past ``deadline``, gives up if the coordinator is unreachable.
+
+        A coordinator that answers slowly is waited for: only a transport that cannot connect ends the
+        wait, with its cause.
+
+        Raises:
+            Unavailable: ``deadline`` passed while the transport could not reach the coordinator.
+        """
+        if math.isinf(deadline):
+            return await self._guarded(awaitable)
+        work = asyncio.ensure_future(self._guarded(awaitable))
+        try:
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(work), max(deadline - time.monotonic(), 0))
+                except TimeoutError:
+                    if work.done():
+                        return work.result()
+                    problem = self.transport.connection_problem
+                    if problem:
+                        raise Unavailable(
+                            f"could not {what} within the job timeout ({self.job_timeout:g}s): {problem}"
+                        ) from None
+                    deadline = time.monotonic() + _RECHECK_S
+        finally:
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError, _Stopped):
+                    await work
+
     # ---- jobs ----
-    async def _get_job(self) -> _Job | None:
-        """GET_JOB: a job, or None when the session is over (DONE, or job_timeout spent)."""
-        give_up = time.monotonic() + self.job_timeout
+    async def _get_job(self, give_up: float | None = None) -> _Job | None:
+        """GET_JOB: a job, or None when the session is over (DONE, or job_timeout spent).
+
+        Args:
+            give_up: When job discovery ends (monotonic seconds); default: ``job_timeout`` from now.
+        """
+        if give_up is None:
+            give_up = time.monotonic() + self.job_timeout
         attempt = 0
         while True:
-            offer = await self._guarded(
+            offer = await self._within(
+                give_up,
                 self.transport.get_job(
                     job_name=self.job_name, device_info=self.device_info, user_info=self.user_info
-                )
+                ),
+                "get a job",
             )
             if offer.status is Status.OK:
                 return self._start_job(offer.job_id, offer.job_name, offer.job_data)
             if offer.status is Status.DONE:
                 _log.info("session done", extra={"job_name": self.job_name, "reason": offer.message})
+                self._end_reason = "session done"
                 return None
             if offer.status not in (Status.RETRY, Status.NO_JOB):
                 raise InvalidArgument(f"GetJob answered {offer.status}, which it never should")
+            if offer.status is Status.RETRY and offer.message and attempt == 0:
+                _log.warning(f"no job yet: {offer.message}")  # e.g. the device awaits approval
             wait = self.backoff.after(offer.retry_after, attempt)
             attempt += 1
             remaining = give_up - time.monotonic()
             if remaining <= 0:
                 _log.info("no job within the job timeout", extra={"job_timeout_s": self.job_timeout})
+                self._end_reason = "no job within the job timeout"
                 return None
             # The last wait is cut short so that one more ask lands at the timeout itself.
             await self._sleep(min(wait, remaining))
@@ -347,7 +421,9 @@ class Runner:
         config: JobConfig | None = None
         error = ""
         try:
-            config = process_job_data(job_data, self.resolver_registry)
+            config = process_job_data(
+                job_data, self.resolver_registry, allow_components=self.allow_components
+            )
         except FedlinkError as exc:
             # Every task of this job will be reported as failed with this message.
             error = f"job config: {type(exc).__name__}: {exc}"
@@ -403,6 +479,8 @@ class Runner:
         try:
             ack = await self.transport.report_result(report)
         except FedlinkError as exc:
+            if isinstance(exc, Unavailable) and self.transport.connection_problem:
+                raise  # unreachable for connect_timeout: the result waits on disk for the next start
             self._record(
                 job, offer, "FAILED" if error else "SUCCEEDED", started, ack="REFUSED", error=str(exc)
             )
@@ -465,14 +543,35 @@ class Runner:
 
         Started (by :class:`_LeaseKeeper`) when the first renewal is due: it renews at once."""
         expires = offer.lease_expires_at
+        failures = 0
+        last_error = ""
         while expires is not None:
             try:
                 reply = await self.transport.renew_lease(
                     job_id=job.job_id, task_id=offer.task_id, cookie=offer.cookie
                 )
             except FedlinkError as exc:
-                _log.warning("lease renewal failed", extra={"task_id": offer.task_id, "error": str(exc)})
+                # A fault the transport does not retry (revoked, refused, the coordinator unreachable for
+                # connect_timeout): try again after a backoff, never in a tight loop.
+                delay = self.backoff.delay(failures)
+                failures += 1
+                error = f"{type(exc).__name__}: {exc}"
+                level = logging.WARNING if error != last_error else logging.DEBUG
+                last_error = error
+                _log.log(
+                    level,
+                    f"lease renewal of task {offer.task_id} failed ({error}); "
+                    f"retry {failures} in {delay:.3f}s",
+                    extra={
+                        "job_id": job.job_id,
+                        "task_id": offer.task_id,
+                        "error": error,
+                        "attempt": failures,
+                    },
+                )
+                await asyncio.sleep(delay)
                 continue
+            failures, last_error = 0, ""
             if reply.status is not Status.OK or reply.lease_expires_at is None:
                 signal.trigger(f"lease lost ({reply.status})")
                 return

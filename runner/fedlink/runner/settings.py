@@ -2,7 +2,8 @@
 
 Each field is a TOML key of the same name, an environment variable ``FEDLINK_<NAME>`` and a flag
 ``--<name>`` of ``fedlink runner``. Durations accept ``30s``, ``5m``, ``1h``, ``250ms`` or a number of
-seconds; ``job_timeout = "0"`` (or ``"inf"``) waits for a job for ever. Maps (``device_info``,
+seconds; ``job_timeout = "0"`` (or ``"inf"``) waits for a job for ever, ``connect_timeout = "0"`` for the
+coordinator. Maps (``device_info``,
 ``user_info``) are TOML tables, or ``k=v,k=v`` in the environment and repeated ``k=v`` flags.
 """
 
@@ -80,6 +81,11 @@ class RunnerSettings:
     """Dirichlet concentration (smaller: more skew)."""
     partition_seed: int = 0
     """Seed of the split; every device of a federation must use the same."""
+    allow_components: tuple[str, ...] = ()
+    """Modules a job's component types may be imported from (``pkg.module:Name``): ``fnmatch`` patterns
+    such as ``mypkg.*`` (which also allows ``mypkg`` itself); a TOML list, comma-separated in the
+    environment, or repeated flags. That is code chosen by whoever submits a job, run on this device:
+    empty allows none. Built-in types always load."""
     device_info: dict[str, str] = field(default_factory=dict)
     """Describes the device to job selectors (platform, app version...)."""
     user_info: dict[str, str] = field(default_factory=dict)
@@ -90,10 +96,16 @@ class RunnerSettings:
     """How long one GetTask long poll may wait for a task."""
     per_request: timedelta = timedelta(seconds=30)
     """Deadline of every other call to the coordinator."""
+    connect_timeout: timedelta = timedelta(minutes=5)
+    """How long the coordinator may stay unreachable (refused, TLS handshake failures, no answer) before
+    the runner exits 1 naming the cause; any answer starts the count again. 0 means for ever."""
     shutdown_grace: timedelta = timedelta(seconds=30)
     """On SIGTERM/SIGINT, how long the task in progress may take before it is aborted and released."""
     log_level: str = "INFO"
     """DEBUG, INFO, WARNING, ERROR or CRITICAL."""
+    log_format: str = "console"
+    """``console`` (readable lines) or ``json`` (one object per line: ``ts``, ``level``, ``logger``,
+    ``message``, and the job, task and device ids as fields where there are some)."""
 
     def __post_init__(self) -> None:
         if not self.server:
@@ -108,6 +120,8 @@ class RunnerSettings:
             raise InvalidArgument("partition_id needs data (a .npz file) to split")
         if self.shutdown_grace < timedelta(0):
             raise InvalidArgument("shutdown_grace cannot be negative")
+        if self.log_format not in ("console", "json"):
+            raise InvalidArgument(f"log_format must be console or json, not {self.log_format!r}")
         if self.join_secret_file is not None and not self.join_secret:
             raise InvalidArgument(
                 "join_secret_file is read into join_secret by load_runner_settings: build the settings "
@@ -172,6 +186,18 @@ def _parse_bool(value: object) -> bool:
     raise InvalidArgument(f"not a boolean: {value!r}")
 
 
+def _parse_patterns(value: object) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple):
+        raise InvalidArgument(f"not a list of module patterns: {value!r}")
+    patterns: list[str] = []
+    for item in items:
+        if not isinstance(item, str):
+            raise InvalidArgument(f"not a module pattern: {item!r}")
+        patterns.extend(part.strip() for part in item.split(",") if part.strip())
+    return tuple(patterns)
+
+
 def _parse_optional_int(value: object) -> int | None:
     if value is None or value == "":
         return None
@@ -197,13 +223,16 @@ _CONVERTERS: Final[dict[str, Any]] = {
     "partition": lambda v: str(v).lower(),
     "partition_alpha": float,
     "partition_seed": int,
+    "allow_components": _parse_patterns,
     "device_info": _parse_map,
     "user_info": _parse_map,
     "job_timeout": parse_duration,
     "task_wait": parse_duration,
     "per_request": parse_duration,
+    "connect_timeout": parse_duration,
     "shutdown_grace": parse_duration,
     "log_level": lambda v: str(v).upper(),
+    "log_format": lambda v: str(v).lower(),
 }
 
 

@@ -12,14 +12,17 @@ import asyncio
 import logging
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
+from fedlink.common import dtypes
 from fedlink.common.errors import PermissionDenied, Unauthenticated
+from fedlink.server.api.admission import RefusedBytes, UnauthenticatedReads, gated_health_handler
 from fedlink.server.api.control_servicer import ControlServicer
 from fedlink.server.api.rpc import Principal, method_handlers
 from fedlink.server.api.runner_servicer import RunnerServicer
@@ -30,12 +33,14 @@ from fedlink.server.credentials import (
     resolve_admin_token,
     resolve_join_secret,
 )
-from fedlink.server.domain import Clock, SystemClock
+from fedlink.server.domain import Clock, DeviceState, SystemClock
+from fedlink.server.memory import map_large_blocks
 from fedlink.server.protocol.device import DeviceProtocol
 from fedlink.server.settings import CoordinatorSettings
+from fedlink.server.store import UploadQuota
 from fedlink.server.store.sql import SqlStateStore
 from fedlink.server.telemetry import MetricsServer, Telemetry
-from fedlink.server.tls import ensure_self_signed, load_server_credentials
+from fedlink.server.tls import certificate_names, ensure_self_signed, load_server_credentials
 from fedlink.v1 import control_service_pb2, runner_service_pb2
 
 log = logging.getLogger(__name__)
@@ -44,6 +49,8 @@ RUNNER_SERVICE = runner_service_pb2.DESCRIPTOR.services_by_name["RunnerService"]
 CONTROL_SERVICE = control_service_pb2.DESCRIPTOR.services_by_name["ControlService"]
 #: Calls grpc-core may hold for the server before cancelling new ones (its defaults: 1,000 and 3,000).
 _MAX_PENDING_CALLS = 100_000
+#: What a device awaiting approval may call: GetJob (which tells it so) and SignOff.
+_PENDING_DEVICE_METHODS = frozenset({"GetJob", "SignOff"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,6 +62,8 @@ class Endpoint:
     #: The CA certificate clients must trust (self-signed setup), or None.
     ca_cert: Path | None
     insecure: bool
+    #: The names and addresses the self-signed certificate covers (empty: plaintext, or one's own).
+    tls_names: tuple[str, ...] = ()
 
 
 class _DeviceAuth:
@@ -71,6 +80,12 @@ class _DeviceAuth:
         if method == "Enroll":
             return Principal("anonymous")
         device = await self._protocol.authenticate(token)
+        if device.state is DeviceState.PENDING and method not in _PENDING_DEVICE_METHODS:
+            # Nothing of an unapproved device is stored or handed to it (no uploads, no tasks).
+            raise PermissionDenied(
+                f"device {device.device_id} awaits an operator's approval "
+                f"(fedlink device approve {device.device_id})"
+            )
         return Principal("device", device_id=device.device_id, device=device)
 
 
@@ -105,6 +120,9 @@ class Coordinator:
         self._closed = asyncio.Event()
         self._metrics_server: MetricsServer | None = None
         self._failing: asyncio.Task[None] | None = None
+        #: Set once stopping starts: health stays NOT_SERVING whatever the store does from then on.
+        self._stopping = False
+        self._health_updates: set[asyncio.Task[None]] = set()
         #: Why the coordinator stopped by itself (its background loops gave up), if it did.
         self.failure: BaseException | None = None
         self.telemetry = Telemetry()
@@ -133,6 +151,10 @@ class Coordinator:
         # Both secrets first: a secret file that is missing or unsafe is refused before anything starts.
         join_secret = resolve_join_secret(s)
         self.admin_token = resolve_admin_token(s)
+        # The first bfloat16 tensor a device sends would import ml_dtypes (a second or more) on the event
+        # loop, every call waiting: it is imported before serving instead.
+        dtypes.native_bfloat16()
+        map_large_blocks()  # a refused large payload's memory goes back to the system (memory.py)
         core = CoordinatorCore(
             s,
             clock=self._clock,
@@ -164,9 +186,18 @@ class Coordinator:
             (
                 method_handlers(
                     RUNNER_SERVICE,
-                    RunnerServicer(device_protocol, store, max_blob_bytes=2 * 1024**3),
+                    RunnerServicer(
+                        device_protocol,
+                        store,
+                        max_blob_bytes=2 * 1024**3,
+                        # A device that filled it waits for the next collection of unused uploads.
+                        upload_quota=UploadQuota(
+                            max_bytes=s.device_upload_quota_bytes, retry_after=s.collection_interval
+                        ),
+                    ),
                     device_auth,
                     self.telemetry,
+                    refused=RefusedBytes(),  # a device that keeps sending what is refused waits
                 ),
                 method_handlers(
                     CONTROL_SERVICE,
@@ -180,7 +211,10 @@ class Coordinator:
                 ),
             )
         )
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        # Health checks need no credential: their requests are read a few at once, small and quick,
+        # through a gate of their own (an Enroll flood must not delay them). See api/admission.py.
+        health_reads = UnauthenticatedReads(slots=4, read_timeout=timedelta(seconds=1))
+        server.add_generic_rpc_handlers((gated_health_handler(self._health, health_reads),))
         reflection.enable_server_reflection(
             (
                 RUNNER_SERVICE.full_name,
@@ -191,14 +225,23 @@ class Coordinator:
             server,
         )
         ca_cert: Path | None = None
+        tls_names: tuple[str, ...] = ()
         if s.insecure:
             port = server.add_insecure_port(s.listen_address)
         else:
             if s.tls_cert is not None and s.tls_key is not None:
                 cert, key_path = s.tls_cert, s.tls_key
             else:
-                material = ensure_self_signed(s.tls_dir, s.tls_hostnames)
+                # On 0.0.0.0 or [::] devices come by the host's names and addresses: the certificate
+                # covers them too (tls_hostnames adds others; tls_cert/tls_key brings one's own).
+                tls_names = certificate_names(s.listen_address, s.tls_hostnames)
+                material = ensure_self_signed(s.tls_dir, tls_names)
                 cert, key_path, ca_cert = material.cert_path, material.key_path, material.ca_cert_path
+                log.info(
+                    f"self-signed TLS certificate for {', '.join(tls_names)}; for other names: "
+                    f"--tls-hostnames (or your own certificate: --tls-cert/--tls-key)",
+                    extra={"tls_names": ",".join(tls_names), "cert": str(cert)},
+                )
             port = server.add_secure_port(
                 s.listen_address, load_server_credentials(cert, key_path, s.tls_client_ca)
             )
@@ -207,11 +250,16 @@ class Coordinator:
         await server.start()
         self._server = server
         host = s.listen_address.rsplit(":", 1)[0]
-        self.endpoint = Endpoint(address=f"{host}:{port}", port=port, ca_cert=ca_cert, insecure=s.insecure)
+        self.endpoint = Endpoint(
+            address=f"{host}:{port}", port=port, ca_cert=ca_cert, insecure=s.insecure, tls_names=tls_names
+        )
         core.record_address(self.endpoint.address)
         if s.metrics_address:
             self._metrics_server = self.telemetry.start_http_server(s.metrics_address)
-        if core.failure is None:  # the loops may have given up already (a store that fails at once)
+        # Health follows the store: NOT_SERVING while the database is away, SERVING once it is back.
+        store.database.availability.subscribe(self._store_availability_changed)
+        if core.failure is None and store.database.availability.available:
+            # (the loops may have given up already, on a store that fails at once)
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("coordinator listening", extra={"address": self.endpoint.address})
 
@@ -221,7 +269,27 @@ class Coordinator:
         if self._failing is None:
             self._failing = asyncio.get_running_loop().create_task(self._stop_on_failure(), name="fail-stop")
 
+    def _store_availability_changed(self, available: bool) -> None:
+        if self._server is None or self._stopping:
+            return
+        task = asyncio.get_running_loop().create_task(self._follow_store(), name="health-follows-store")
+        self._health_updates.add(task)
+        task.add_done_callback(self._health_updates.discard)
+
+    async def _follow_store(self) -> None:
+        if self._stopping or self.failure is not None or self.store is None:
+            return
+        # The store's state now, not the one this task was made for: updates that race end right.
+        available = self.store.database.availability.available
+        serving = (
+            health_pb2.HealthCheckResponse.SERVING
+            if available
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        await self._set_health(serving)
+
     async def _stop_on_failure(self) -> None:
+        self._stopping = True
         if self._server is not None:
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.stop()
@@ -246,6 +314,9 @@ class Coordinator:
         if self._closed.is_set():
             return
         grace_s = self.settings.shutdown_grace.total_seconds() if grace is None else grace
+        self._stopping = True
+        for update in list(self._health_updates):
+            update.cancel()
         try:
             if self._server is not None:
                 await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -27,13 +27,17 @@ from fedlink.server.domain import Clock, SystemClock, Task
 from fedlink.server.protocol.control import ControlProtocol
 from fedlink.server.protocol.cookies import CookieSigner
 from fedlink.server.protocol.device import DeviceProtocol, DeviceProtocolConfig, ResultListener
+from fedlink.server.protocol.enrolment import EnrolmentPolicy
 from fedlink.server.protocol.events import JobEvents
 from fedlink.server.protocol.results import ModelTaskValidator
+from fedlink.server.services.collection import Collection, CollectionPolicy
 from fedlink.server.services.loops import BackgroundLoops, LoopPolicy
 from fedlink.server.services.maintenance import Maintenance
 from fedlink.server.services.metrics import MetricsCollector
+from fedlink.server.services.store_probe import StoreProbe
 from fedlink.server.services.supervisor import JobSupervisor
 from fedlink.server.settings import CoordinatorSettings
+from fedlink.server.store.outages import StoreRetryPolicy, is_store_away
 from fedlink.server.store.sql import SqlStateStore, create_store
 from fedlink.server.telemetry import Telemetry
 from fedlink.server.workflows.registry import DriverOptions, WorkflowLimits, Workflows
@@ -87,6 +91,17 @@ def coordinator_id(data_dir: Path) -> str:
     finally:
         partial.unlink(missing_ok=True)
     return path.read_text().strip()
+
+
+def collection_policy(settings: CoordinatorSettings) -> CollectionPolicy:
+    """What the scheduled collection deletes, and when, as the settings say."""
+    return CollectionPolicy(
+        interval=settings.collection_interval,
+        unused_blob_ttl=settings.unused_blob_ttl,
+        stale_upload_ttl=settings.stale_upload_ttl,
+        finished_job_events_ttl=settings.finished_job_events_ttl,
+        max_finished_job_events=settings.max_finished_job_events,
+    )
 
 
 class CoordinatorCore:
@@ -166,7 +181,11 @@ class CoordinatorCore:
         # Before the store opens: a second process on this directory must not touch it at all.
         self._lock = DataDirLock.acquire(s.data_dir, address=s.listen_address)
         store = await create_store(
-            s.db_url, blob_dir=s.blob_dir, clock=self.clock, auto_migrate=s.auto_migrate
+            s.db_url,
+            blob_dir=s.blob_dir,
+            clock=self.clock,
+            auto_migrate=s.auto_migrate,
+            retry=StoreRetryPolicy(budget=s.store_retry_budget),
         )
         self._store = store
         key = await store.get_or_create_signing_key()
@@ -204,7 +223,15 @@ class CoordinatorCore:
                 default_task_wait=s.default_task_wait,
                 inline_payload_bytes=s.inline_payload_bytes,
                 max_result_bytes=MAX_MODEL_BYTES,
-                join_secret=self._join_secret,
+                job_retry_after=s.job_retry_after,
+                enrolment=EnrolmentPolicy(
+                    join_secret=self._join_secret,
+                    require_approval=s.require_approval,
+                    max_devices=s.max_devices,
+                    per_minute=s.enrolments_per_minute,
+                    burst=s.enrolment_burst,
+                    replay_window=s.enrolment_replay_window,
+                ),
                 keep_folded_payloads=self._keep_folded_payloads,
             ),
             listener=_PokeSupervisor(supervisor, events),
@@ -218,6 +245,7 @@ class CoordinatorCore:
             on_job_change=supervisor.poke,
             on_device_revoked=self._device_revoked,
             max_model_bytes=MAX_MODEL_BYTES,
+            component_types=s.component_types,
             workflows=workflows,
         )
         maintenance = Maintenance(
@@ -227,11 +255,16 @@ class CoordinatorCore:
             drain_seen=self._device.drain_seen,
             on_run_progress=functools.partial(supervisor.progress, urgent=True),
             interval=s.reaper_interval,
-            offline_after=s.device_offline_after,
+            offline_after=s.online_window,
         )
-        loops = BackgroundLoops(LoopPolicy(give_up_after=s.loop_failure_timeout))
+        # An unreachable database is waited out, not given up on (health says NOT_SERVING meanwhile).
+        loops = BackgroundLoops(LoopPolicy(give_up_after=s.loop_failure_timeout, ride_out=is_store_away))
         loops.add(supervisor.loop())
         loops.add(maintenance.loop())
+        loops.add(Collection(store, clock=self.clock, policy=collection_policy(s)).loop())
+        # A corrupted blob a device's read found fails the jobs using it (a workflow's read fails its own).
+        store.blobs.integrity.listeners.append(supervisor.fail_jobs_using)
+        loops.add(StoreProbe(store.database).loop())
         if self._telemetry is not None:
             loops.add(MetricsCollector(store, self._telemetry, interval=timedelta(seconds=5)).loop())
         self.loops = loops
@@ -271,6 +304,8 @@ class CoordinatorCore:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._device is not None:
+            self._device.close()
         store, self._store = self._store, None
         if store is not None:
             await store.close()

@@ -44,6 +44,9 @@ _DERIVED_PATH: Final = Path("<derived from data_dir>")
 JOIN_SECRET_FILE: Final = "join-secret"
 ADMIN_TOKEN_FILE: Final = "admin-token"
 _URL_PASSWORD: Final = re.compile(r"(://[^:/@]*:)[^@]*@")
+#: What a derived device_offline_after adds to a polling device's longest silence: the jitter of its
+#: waits, a slow network, the batching of last-seen writes.
+_OFFLINE_MARGIN: Final = timedelta(seconds=10)
 
 
 def default_data_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -134,8 +137,32 @@ class CoordinatorSettings:
     lease: timedelta = timedelta(minutes=5)
     """How long a device holds an assignment before it expires and goes to another device."""
 
-    device_offline_after: timedelta = timedelta(minutes=2)
-    """A device not seen for this long goes OFFLINE and is no longer sampled."""
+    job_retry_after: timedelta = timedelta(seconds=5)
+    """How long a device with no job is told to wait before asking for one again (GetJob's retry_after)."""
+
+    device_offline_after: timedelta | None = None
+    """A device that made no call for this long (and holds no lease) goes OFFLINE and is not sampled; a
+    runner that stops says so at once (SignOff). Unset: max_task_wait + job_retry_after + 10s, the
+    cadence of a polling device with a margin; a value below max_task_wait + job_retry_after is refused,
+    since it would count devices that poll as gone."""
+
+    require_approval: bool = False
+    """New devices wait in PENDING, not sampled, until an operator approves them with
+    ``fedlink device approve ID``."""
+
+    max_devices: int | None = None
+    """Most enrolled devices that are not revoked; more enrolments get RESOURCE_EXHAUSTED. Unset: no cap."""
+
+    enrolments_per_minute: int = 6000
+    """Rate limit of new enrolments once enrolment_burst is spent (RESOURCE_EXHAUSTED with retry_after);
+    0 turns it off. Retries of an enrolment are not counted."""
+
+    enrolment_burst: int = 1000
+    """Enrolments accepted at once before enrolments_per_minute applies."""
+
+    enrolment_replay_window: timedelta = timedelta(minutes=5)
+    """How long after its first Enroll a device's retry with the same request_id (and the same request)
+    gets its credential again; later, or for another request, the credential is never shown again."""
 
     max_message_bytes: int = 64 * 1024**2
     """Largest gRPC message accepted or sent; bigger payloads travel as chunked blobs."""
@@ -147,15 +174,52 @@ class CoordinatorSettings:
     """How often expired leases, closed deadlines and offline devices are swept."""
 
     loop_failure_timeout: timedelta = timedelta(minutes=2)
-    """How long a background loop (job supervisor, maintenance, metrics) may keep failing, retried with
-    backoff, before the coordinator gives up: health turns NOT_SERVING and ``fedlink serve`` exits 3."""
+    """How long a background loop (job supervisor, maintenance, collection, metrics) may keep failing,
+    retried with backoff, before the coordinator gives up: health turns NOT_SERVING and ``fedlink serve``
+    exits 3.
+    The database being unreachable is not such a failure: it is waited out, however long it lasts."""
+
+    store_retry_budget: timedelta = timedelta(seconds=10)
+    """How long one store call retries a dropped or refused database connection (reconnecting, running
+    its transaction again) before the store counts as away: devices then get UNAVAILABLE with a
+    ``retry_after`` and health says NOT_SERVING until the database answers again."""
 
     keep_checkpoints: int = 3
     """Round checkpoints kept per run besides the final model, unless a job says otherwise."""
 
+    collection_interval: timedelta = timedelta(minutes=10)
+    """How often what nothing uses any more is collected: unused blobs, idle partial uploads, the events
+    of long-finished jobs (see docs/storage.md)."""
+
+    unused_blob_ttl: timedelta = timedelta(hours=1)
+    """A blob nothing uses (a device's upload it never reported, a model uploaded and never submitted, a
+    checkpoint left by a crash) is deleted once it has been stored this long. At least the lease: a
+    device reports an uploaded result within its lease."""
+
+    stale_upload_ttl: timedelta = timedelta(hours=24)
+    """A partial upload that received no bytes for this long is discarded with its bytes (a device that
+    lost its connection resumes within it)."""
+
+    device_upload_quota_bytes: int = 4 * 1024**3
+    """Most bytes a device may hold in uploads it has not used: partial ones plus complete ones it has
+    not reported as a result. Beyond it UploadBlob is RESOURCE_EXHAUSTED until some are reported or
+    collected. Keep it above the largest result a device sends (at most 2GiB)."""
+
+    finished_job_events_ttl: timedelta = timedelta(days=30)
+    """How long a finished job keeps its progress events; after that only its last one (how it ended)."""
+
+    max_finished_job_events: int = 10_000
+    """Most progress events a finished job keeps (its newest); a pending or running job keeps them all
+    (``fedlink job watch`` replays them)."""
+
     allow_workflows: tuple[str, ...] = ()
     """Modules whose workflows a job may name by import path (``pkg.module:factory``): fnmatch patterns
     such as ``mypkg.*`` (comma-separated in env). That is code run in the coordinator: empty allows none."""
+
+    component_types: tuple[str, ...] = ()
+    """Component type names the devices' own apps register (fnmatch patterns, comma-separated in env),
+    accepted in a job's job_data besides the built-in types and ``pkg.module:Name`` import paths; every
+    other name is refused at submission as a misspelling."""
 
     max_buffered_round_bytes: int = 2 * 1024**3
     """Most bytes of updates a round may hold in memory: robust aggregation (median, trimmed mean, Krum)
@@ -179,7 +243,16 @@ class CoordinatorSettings:
         object.__setattr__(self, "log_level", self.log_level.upper())
         if self.auto_migrate is None:
             object.__setattr__(self, "auto_migrate", self.db_url.startswith("sqlite"))
+        if self.device_offline_after is None:
+            derived = self.max_task_wait + self.job_retry_after + _OFFLINE_MARGIN
+            object.__setattr__(self, "device_offline_after", derived)
         _validate(self)
+
+    @property
+    def online_window(self) -> timedelta:
+        """``device_offline_after`` as given or derived (never unset once the settings are built)."""
+        assert self.device_offline_after is not None  # filled in by __post_init__
+        return self.device_offline_after
 
     @property
     def redacted_db_url(self) -> str:
@@ -232,13 +305,24 @@ def _validate_serving(s: CoordinatorSettings) -> None:
 
 
 def _validate_limits(s: CoordinatorSettings) -> None:
-    for name in ("shutdown_grace", "max_task_wait", "default_task_wait", "lease", "device_offline_after"):
+    for name in (
+        "shutdown_grace",
+        "max_task_wait",
+        "default_task_wait",
+        "lease",
+        "device_offline_after",
+        "job_retry_after",
+        "enrolment_replay_window",
+    ):
         if getattr(s, name) < timedelta(0):
             raise InvalidArgument(f"{name} must not be negative")
+    _validate_devices(s)
     if s.reaper_interval <= timedelta(0):
         raise InvalidArgument("reaper_interval must be positive")
     if s.loop_failure_timeout <= timedelta(0):
         raise InvalidArgument("loop_failure_timeout must be positive")
+    if s.store_retry_budget < timedelta(0):
+        raise InvalidArgument("store_retry_budget must not be negative")
     if s.default_task_wait > s.max_task_wait:
         raise InvalidArgument(
             f"default_task_wait ({s.default_task_wait}) must not exceed max_task_wait ({s.max_task_wait})"
@@ -249,8 +333,41 @@ def _validate_limits(s: CoordinatorSettings) -> None:
         raise InvalidArgument("inline_payload_bytes must be positive and at most max_message_bytes")
     if s.keep_checkpoints < 0:
         raise InvalidArgument("keep_checkpoints must not be negative")
+    _validate_collection(s)
     if s.max_buffered_round_bytes < 1:
         raise InvalidArgument("max_buffered_round_bytes must be positive")
+
+
+def _validate_devices(s: CoordinatorSettings) -> None:
+    polling = s.max_task_wait + s.job_retry_after
+    if s.device_offline_after is not None and s.device_offline_after < polling:
+        raise InvalidArgument(
+            f"device_offline_after ({s.device_offline_after}) must be at least max_task_wait + "
+            f"job_retry_after ({polling}): a device that keeps polling would be counted offline"
+        )
+    if s.job_retry_after <= timedelta(0):
+        raise InvalidArgument("job_retry_after must be positive")
+    if s.max_devices is not None and s.max_devices < 1:
+        raise InvalidArgument("max_devices must be at least 1 (unset: no cap)")
+    if s.enrolments_per_minute < 0:
+        raise InvalidArgument("enrolments_per_minute must not be negative (0: no limit)")
+    if s.enrolment_burst < 1:
+        raise InvalidArgument("enrolment_burst must be at least 1")
+
+
+def _validate_collection(s: CoordinatorSettings) -> None:
+    for name in ("collection_interval", "stale_upload_ttl", "finished_job_events_ttl"):
+        if getattr(s, name) <= timedelta(0):
+            raise InvalidArgument(f"{name} must be positive")
+    if s.unused_blob_ttl < max(s.lease, timedelta(minutes=1)):
+        raise InvalidArgument(
+            f"unused_blob_ttl ({s.unused_blob_ttl}) must be at least the lease ({s.lease}) and a minute: "
+            "a device's uploaded result is unused until it reports it, within its lease"
+        )
+    if s.device_upload_quota_bytes < 1:
+        raise InvalidArgument("device_upload_quota_bytes must be positive")
+    if s.max_finished_job_events < 1:
+        raise InvalidArgument("max_finished_job_events must be at least 1 (a job keeps its last event)")
 
 
 def split_address(address: str, *, what: str = "address") -> tuple[str, int]:

@@ -5,14 +5,22 @@ the TLS directory of the data dir; runners trust the CA file (its path is printe
 reuse them: the CA is replaced only when missing or expired (runners must then trust the new one), the
 server certificate also when it is about to expire, when it no longer covers the requested hostnames, or
 when the CA changed. Keys are ECDSA P-256 and written 0600. One coordinator per data dir is assumed.
+
+On a wildcard listen address (``0.0.0.0``, ``::``), devices reach the coordinator by the host's names
+and addresses, not by localhost: :func:`certificate_names` adds the host name, its fully qualified name
+and the addresses of the host's interfaces (found with the standard library only) to the configured
+``tls_hostnames``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import secrets
-from collections.abc import Sequence
+import socket
+import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -152,6 +160,87 @@ def load_channel_credentials(
         private = _read_pem(client_key, "client private key")
         _check_pair(client_cert, chain, client_key, private)
     return grpc.ssl_channel_credentials(root_certificates=roots, private_key=private, certificate_chain=chain)
+
+
+# ---- the names a certificate covers -------------------------------------------------------------------
+
+#: Hosts of a listen address that accept connections on every interface.
+_WILDCARD_HOSTS: Final = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
+_SIOCGIFADDR: Final = 0x8915  # Linux: an interface's IPv4 address
+
+
+def is_wildcard_address(listen_address: str) -> bool:
+    """Whether ``host:port`` listens on every interface (``0.0.0.0:8443``, ``[::]:8443``, ``:8443``)."""
+    return listen_address.rsplit(":", 1)[0] in _WILDCARD_HOSTS
+
+
+def certificate_names(listen_address: str, configured: Sequence[str]) -> tuple[str, ...]:
+    """The names a self-signed server certificate should cover: ``configured``, and on a wildcard listen
+    address also this host's names and non-loopback addresses (see :func:`host_names_and_addresses`)."""
+    names = list(dict.fromkeys(configured))
+    if is_wildcard_address(listen_address):
+        names += [name for name in host_names_and_addresses() if name not in names]
+    return tuple(names)
+
+
+def host_names_and_addresses() -> list[str]:
+    """This host's name, its fully qualified name, and its interfaces' addresses (loopback, link-local
+    and unusable ones left out): what devices on the network are likely to connect to.
+
+    Only the standard library: the IPv4 addresses of the interfaces on Linux (an ioctl per interface),
+    the IPv6 ones from ``/proc/net/if_inet6``, and what the host's names resolve to everywhere.
+    """
+    names: list[str] = []
+    hostname = socket.gethostname()
+    for name in (hostname, socket.getfqdn()):
+        if name and name not in names and _is_dns_name(name) and name != "localhost":
+            names.append(name)
+    addresses = [*_interface_addresses(), *_resolved(names)]
+    usable = [address for address in addresses if _usable(address)]
+    return names + sorted(
+        set(usable), key=lambda a: (ipaddress.ip_address(a).version, ipaddress.ip_address(a))
+    )
+
+
+def _is_dns_name(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return not any(c.isspace() or c in "/:@" for c in name)
+    return False
+
+
+def _usable(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return not (ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_multicast)
+
+
+def _interface_addresses() -> Iterator[str]:
+    if sys.platform.startswith("linux") and hasattr(socket, "if_nameindex"):
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            for _, interface in socket.if_nameindex():
+                request = struct.pack("256s", interface.encode()[:15])
+                try:
+                    reply = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, request)
+                except OSError:
+                    continue  # no IPv4 address on this interface
+                yield socket.inet_ntoa(reply[20:24])
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/net/if_inet6").read_text().splitlines():
+            yield str(ipaddress.IPv6Address(bytes.fromhex(line.split()[0])))
+
+
+def _resolved(names: Sequence[str]) -> Iterator[str]:
+    for name in names:
+        try:
+            infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+        except OSError:
+            continue
+        for info in infos:
+            yield str(info[4][0]).split("%", 1)[0]
 
 
 # ---- building certificates ----------------------------------------------------------------------------
@@ -348,7 +437,10 @@ __all__ = [
     "CERT_VALIDITY",
     "RENEW_BEFORE",
     "TlsMaterial",
+    "certificate_names",
     "ensure_self_signed",
+    "host_names_and_addresses",
+    "is_wildcard_address",
     "issue_client_certificate",
     "load_channel_credentials",
     "load_server_credentials",

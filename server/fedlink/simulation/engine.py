@@ -19,6 +19,7 @@ Heterogeneity needs the in-process transport, and the live device counts stay ze
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
 import logging
 import math
@@ -34,13 +35,20 @@ from typing import Any
 
 from fedlink.common.dxo import DXO
 from fedlink.common.errors import InvalidArgument
-from fedlink.runner.config import ResolverRegistry
+from fedlink.runner.builtins import BUILTIN_TYPES
+from fedlink.runner.config import (
+    ResolverRegistry,
+    is_import_path,
+    load_component_type,
+    outline_job_data,
+)
 from fedlink.runner.loop import Runner
 from fedlink.runner.spec import DataSource, Executor
 from fedlink.runner.transport.backoff import Backoff
 from fedlink.runner.transport.base import Transport
 from fedlink.runner.transport.grpc_transport import GrpcTransport, GrpcTransportConfig
 from fedlink.runner.transport.state import Identity, StateDir
+from fedlink.runner.validation import BUILTIN_PATH_ARGS, check_job_data
 from fedlink.server.app import Coordinator
 from fedlink.server.core import CoordinatorCore
 from fedlink.server.domain import JobEvent, JobState, ResultStatus, WorkflowSpec
@@ -48,6 +56,7 @@ from fedlink.server.gc_tuning import GC_CONTROL
 from fedlink.server.protocol.control import JobSubmission
 from fedlink.server.protocol.events import JOB_STATE_CHANGED
 from fedlink.server.settings import CoordinatorSettings
+from fedlink.server.workflows import registry as workflows
 from fedlink.simulation.backends import ExecutorPool
 from fedlink.simulation.components import shared_registry
 from fedlink.simulation.heterogeneity import Heterogeneity
@@ -80,6 +89,9 @@ _SUPERVISOR_LOGGER = "fedlink.server.services.supervisor"
 RunnerArg = Mapping[str, Any] | str | ResolverRegistry | Executor | None
 #: How the virtual devices reach the coordinator.
 TRANSPORTS = ("inprocess", "grpc")
+#: The modules a simulation's job may import its component types from: any. The simulation runs the
+#: user's own job on the user's own machine, in the user's process: nothing is received from anyone.
+ALLOW_COMPONENTS = ("*",)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,6 +113,8 @@ class Plan:
     #: "inprocess" or "grpc" (see the module docstring).
     transport: str = "inprocess"
     sinks: Sequence[ProgressSink] = field(default=())
+    #: The app's own type names (its registry's), which the coordinator accepts in job_data.
+    component_types: tuple[str, ...] = ()
 
 
 def make_plan(
@@ -129,31 +143,18 @@ def make_plan(
         raise InvalidArgument(f"job must be a SimulationJob (or a job file path), not {type(job).__name__}")
     job = job.with_seed(seed)
     job.model_dxo()  # checked now, not after the devices are enrolled
-    job_data = job.job_data_json()
-    app: ResolverRegistry | None = None
-    if isinstance(runner, ResolverRegistry):
-        app = runner
-    elif isinstance(runner, Mapping | str):
-        job_data = SimulationJob(
-            name=job.name, workflow=job.workflow, model={}, job_data=runner
-        ).job_data_json()
-    elif runner is not None:
-        if not isinstance(runner, Executor):
-            raise InvalidArgument(
-                "runner must be job_data (a mapping or JSON text), a ResolverRegistry or an Executor "
-                f"(an object with execute(dxo, ctx, abort_signal)), not {type(runner).__name__}"
-            )
-        if job_data:
-            raise InvalidArgument("give the executor as runner= or job_data in the job, not both")
-        executor = runner
-        app = ResolverRegistry({EXECUTOR_TYPE: lambda: executor})
-        job_data = json.dumps(
-            {"components": [{"type": EXECUTOR_TYPE, "name": "trainer"}], "executors": {"*": "@trainer"}}
-        )
-    if not job_data:
-        raise InvalidArgument(
-            "the job has no job_data: give the runner configuration or an Executor as runner="
-        )
+    job_data, app = _runner_config(job, runner)
+    app = _with_import_paths(job_data, app)
+    check_job_data(
+        job_data,
+        task_names=workflows.task_names(job.spec),
+        known_types=[glob.escape(name) for name in app or ()],
+        workflow=f"the {job.spec.name} workflow",
+    )
+    _check_files(job_data)
+    if data is None and job.simulation is not None:
+        device_data = job.simulation.device_data()
+        data = None if device_data is None else device_data.partitioned()  # device i: partition i
     if store != ":memory:" and Path(store).exists():
         raise InvalidArgument(f"store file {store} exists already: give a new path (or ':memory:')")
     params = job.params()  # checked now, not after the devices are enrolled
@@ -180,7 +181,68 @@ def make_plan(
         timeout_s=float(timeout),
         transport=transport,
         sinks=tuple(sinks),
+        component_types=tuple(glob.escape(name) for name in app or ()),
     )
+
+
+def _runner_config(job: SimulationJob, runner: RunnerArg) -> tuple[str, ResolverRegistry | None]:
+    """The job_data the devices run, and the app's registry, from the job and ``runner=``."""
+    job_data = job.job_data_json()
+    app: ResolverRegistry | None = None
+    if isinstance(runner, ResolverRegistry):
+        app = runner
+    elif isinstance(runner, Mapping | str):
+        job_data = SimulationJob(
+            name=job.name, workflow=job.workflow, model={}, job_data=runner
+        ).job_data_json()
+    elif runner is not None:
+        if not isinstance(runner, Executor):
+            raise InvalidArgument(
+                "runner must be job_data (a mapping or JSON text), a ResolverRegistry or an Executor "
+                f"(an object with execute(dxo, ctx, abort_signal)), not {type(runner).__name__}"
+            )
+        if job_data:
+            raise InvalidArgument("give the executor as runner= or job_data in the job, not both")
+        executor = runner
+        app = ResolverRegistry({EXECUTOR_TYPE: lambda: executor})
+        job_data = json.dumps(
+            {"components": [{"type": EXECUTOR_TYPE, "name": "trainer"}], "executors": {"*": "@trainer"}}
+        )
+    if not job_data:
+        raise InvalidArgument(
+            "the job has no job_data: give the runner configuration or an Executor as runner="
+        )
+    return job_data, app
+
+
+def _with_import_paths(job_data: str, app: ResolverRegistry | None) -> ResolverRegistry | None:
+    """``app`` plus the import-path types ``job_data`` names that it lacks, imported now (any module:
+    see :data:`ALLOW_COMPONENTS`), so that they are shared like the app's (and reach a Ray pool)."""
+    outline = outline_job_data(job_data)
+    wanted = [
+        spec.type
+        for spec in outline.components
+        if is_import_path(spec.type)
+        and spec.type not in BUILTIN_TYPES
+        and (app is None or spec.type not in app)
+    ]
+    if not wanted:
+        return app
+    extended = ResolverRegistry().merged(app)
+    for type_name in dict.fromkeys(wanted):
+        extended.register(type_name, load_component_type(type_name, ALLOW_COMPONENTS))
+    return extended
+
+
+def _check_files(job_data: str) -> None:
+    """Every file a built-in data source of ``job_data`` reads is here: the devices are this machine."""
+    for spec in outline_job_data(job_data).components:
+        for arg in BUILTIN_PATH_ARGS.get(spec.type, ()):
+            value = spec.args.get(arg)
+            if isinstance(value, str) and value and not value.startswith("@") and not Path(value).exists():
+                raise InvalidArgument(
+                    f"job_data component {spec.name!r} ({spec.type}) args.{arg}: file {value} does not exist"
+                )
 
 
 def _job_seed(spec: WorkflowSpec) -> int:
@@ -225,6 +287,7 @@ def _settings(plan: Plan, workdir: Path) -> CoordinatorSettings:
         "auto_migrate": True,
         # The simulation runs in the user's own process: a workflow of their own needs no allowing.
         "allow_workflows": ("*",),
+        "component_types": plan.component_types,
     }
     if plan.transport == "grpc":
         # The wire's own limits (large models go as blob streams), on loopback, without TLS.
@@ -346,7 +409,7 @@ async def _run(
     width = max(6, len(str(plan.num_devices - 1)))
     devices = [InProcessTransport(hub, i) for i in range(plan.num_devices)]
     info = dict(plan.device_info)
-    credentials = await hub.enroll(devices, info, width=width)
+    credentials = await hub.enroll(devices, info, width=width, job_name=job.name)
     index_of = {t.device_id: t.index for t in devices}
     transports: list[Transport] = list(devices)
     if wire is not None:
@@ -373,6 +436,7 @@ async def _run(
             {},
             math.inf,
             resolver_registry=plan.registry,
+            allow_components=ALLOW_COMPONENTS,
             transport=t,
             partition_id=i,
             num_partitions=plan.num_devices,
@@ -432,8 +496,23 @@ async def _follow(core: CoordinatorCore, job_id: str, sinks: Sequence[ProgressSi
             GC_CONTROL.settle()
             for sink in sinks:
                 sink.round_closed(record)
+        elif event.kind == "model_version":  # FedBuff: a version is a round's record, timed from the last
+            begun, _ = starts.get(-1, (event, 0))
+            starts[-1] = (event, 0)
+            record = RoundRecord(
+                round=int(body["round"]),
+                num_devices=int(body.get("selection", 0)),
+                num_results=int(body.get("num_updates", 0)),
+                metrics={str(k): float(v) for k, v in dict(body.get("metrics", {})).items()},
+                duration_s=(event.time - begun.time).total_seconds(),
+            )
+            rounds.append(record)
+            GC_CONTROL.settle()
+            for sink in sinks:
+                sink.round_closed(record)
         elif event.kind == JOB_STATE_CHANGED:
             log.debug("job state", extra={"job_id": job_id, "state": body.get("state")})
+            starts.setdefault(-1, (event, 0))  # the first version is timed from the job's start
     return rounds
 
 

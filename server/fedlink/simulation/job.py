@@ -6,7 +6,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy.typing as npt
 
@@ -15,6 +15,9 @@ from fedlink.common.errors import InvalidArgument
 from fedlink.server.domain import WorkflowSpec
 from fedlink.server.workflows import registry
 from fedlink.server.workflows.params import WorkflowParams
+
+if TYPE_CHECKING:
+    from fedlink.server.cli.jobfile import SimulationSection
 
 __all__ = ["SimulationJob"]
 
@@ -36,23 +39,29 @@ class SimulationJob:
     #: ``device_info`` pairs a device must have to take part (virtual devices have
     #: ``{"simulation": "true"}`` plus whatever ``device_info=`` the simulation is given).
     device_selector: Mapping[str, str] = field(default_factory=dict)
+    #: A job file's ``[simulation]`` section: the devices' data and how it is split, and how many
+    #: devices (the simulation's ``data=`` and ``num_devices`` come first); None for none.
+    simulation: SimulationSection | None = None
 
     @classmethod
     def from_file(cls, path: Path | str) -> SimulationJob:
         """Reads a job file (the format of ``fedlink job submit``, TOML or JSON).
+
+        Its component types are checked by the simulation, which knows the app's registry.
 
         Raises:
             InvalidArgument: the file or its model is missing or malformed (the message names the key).
         """
         from fedlink.server.cli.jobfile import load_job_file
 
-        loaded = load_job_file(Path(path))
+        loaded = load_job_file(Path(path), check_components=False)
         return cls(
             name=loaded.name,
             workflow=loaded.workflow,
             model=DXO.from_bytes(loaded.model_bytes),
             job_data=loaded.job_data,
             device_selector=dict(loaded.device_selector),
+            simulation=loaded.simulation,
         )
 
     @property

@@ -160,9 +160,17 @@ class DeviceHub:
         return DXO(kind=shared.kind, data=dict(shared.data), meta=dict(shared.meta))
 
     async def enroll(
-        self, devices: Sequence[InProcessTransport], device_info: Mapping[str, str], *, width: int
+        self,
+        devices: Sequence[InProcessTransport],
+        device_info: Mapping[str, str],
+        *,
+        width: int,
+        job_name: str | None = None,
     ) -> list[str]:
         """Enrols ``devices`` as ``sim-<index>`` with fresh credentials, a batch per store transaction.
+
+        ``job_name`` is the job their runners will ask for: recorded now, so that the first round
+        samples every device rather than the first few whose GetJob came in.
 
         Returns:
             Their credentials, in order (a gRPC transport of the same device presents it).
@@ -182,6 +190,7 @@ class DeviceHub:
                         device_id=f"sim-{device.index:0{width}d}",
                         credential_hash=hash_credential(credential),
                         device_info=device_info,
+                        polled_job_name=job_name,
                     )
                     for device, credential in zip(batch, credentials[start:], strict=False)
                 ]

@@ -1,13 +1,18 @@
-"""``fedlink device list|revoke`` against a real coordinator with stub-only devices."""
+"""``fedlink device list|approve|revoke`` against a real coordinator with stub-only devices."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 
-from .conftest import Cli, CoordinatorThread, StubDevice
+from fedlink.v1 import runner_service_pb2 as rpb
+
+from .conftest import Cli, CoordinatorThread, StubDevice, cli_for, plaintext_settings
 
 
 def _enroll(coordinator: CoordinatorThread, platforms: list[str]) -> list[str]:
@@ -83,3 +88,41 @@ def test_revoking_an_unknown_device_is_not_found(cli: Cli, device_id: str) -> No
 def test_an_empty_list_says_so(cli: Cli) -> None:
     result = cli("device", "list")
     assert (result.exit_code, result.stdout.strip()) == (0, "(none)")
+
+
+@pytest.fixture
+def approving(tmp_path: Path) -> Iterator[CoordinatorThread]:
+    """A coordinator that requires an operator's approval of new devices."""
+    settings = dataclasses.replace(plaintext_settings(tmp_path / "data"), require_approval=True)
+    with CoordinatorThread(settings) as running:
+        yield running
+
+
+def test_approve_lets_a_pending_device_take_part(approving: CoordinatorThread) -> None:
+    cli = cli_for(approving)
+
+    async def enroll_and_ask() -> tuple[StubDevice, rpb.GetJobResponse]:
+        async with grpc.aio.insecure_channel(approving.address) as channel:
+            device = await StubDevice(channel).enroll()
+            return device, await device.get_job()
+
+    async def ask(enrolled: StubDevice) -> rpb.GetJobResponse:
+        async with grpc.aio.insecure_channel(approving.address) as channel:
+            device = StubDevice(channel)
+            device.metadata = enrolled.metadata
+            return await device.get_job()
+
+    device, asked = approving.submit(enroll_and_ask()).result(timeout=30)
+    assert asked.status == rpb.RUNNER_STATUS_RETRY and "awaits an operator's approval" in asked.message
+    pending = json.loads(cli("device", "list", "--state", "pending", "--format", "json").stdout)
+    assert [(d["device_id"], d["state"]) for d in pending] == [(device.device_id, "PENDING")]
+
+    approved = cli("device", "approve", device.device_id)
+    assert approved.exit_code == 0, approved.output
+    assert approved.stdout.strip() == f"device {device.device_id} ONLINE"
+    assert approving.submit(ask(device)).result(timeout=30).status == rpb.RUNNER_STATUS_NO_JOB
+    assert json.loads(cli("device", "list", "--state", "pending", "--format", "json").stdout) == []
+
+    unknown = cli("device", "approve", "no-such-device")
+    assert unknown.exit_code == 1 and unknown.stderr.startswith("error: NOT_FOUND: ")
+    assert "Traceback" not in unknown.output

@@ -13,6 +13,8 @@ import pytest
 from fedlink.common.dxo import DXO, DataKind
 from fedlink.common.errors import InvalidArgument
 from fedlink.server.cli.jobfile import load_job_file
+from fedlink.server.workflows.fedavg import FedAvgParams
+from fedlink.server.workflows.wire import ROUND_DEFAULTS, spec_from_wire
 from fedlink.v1 import control_service_pb2 as cpb
 
 from .conftest import Cli, CoordinatorThread, cli_for, plaintext_settings
@@ -29,6 +31,7 @@ evaluate = true
 round_failure_policy = "fail"
 keep_checkpoints = 1
 [job_data]
+components = [{ type = "SoftmaxRegressionTrainer", name = "trainer" }]
 executors = { "*" = "@trainer" }
 """
 
@@ -58,12 +61,28 @@ def test_a_good_toml_file_maps_to_the_job_spec(folder: Path) -> None:
     assert spec.fedavg.evaluate is True
     assert spec.fedavg.round_failure_policy == cpb.ROUND_FAILURE_POLICY_FAIL
     assert spec.fedavg.keep_checkpoints == 1
-    assert json.loads(spec.job_data) == {"executors": {"*": "@trainer"}}
+    assert json.loads(spec.job_data) == {
+        "components": [{"type": "SoftmaxRegressionTrainer", "name": "trainer"}],
+        "executors": {"*": "@trainer"},
+    }
     assert (spec.initial_model.sha256, spec.initial_model.size_bytes) == ("ab" * 32, 123)
     model = DXO.from_bytes(job.model_bytes)
     assert model.kind is DataKind.WEIGHTS
     np.testing.assert_array_equal(model.data["w"], np.ones((2, 2), np.float32))
     assert model.data["step"].dtype == np.int64
+
+
+def test_a_round_key_left_out_means_the_workflow_s_default_on_the_wire(folder: Path) -> None:
+    # On the wire 0 is a value: a job file without max_round_retries must not mean "never retry".
+    path = folder / "job.toml"
+    path.write_text(GOOD_TOML)
+    spec = load_job_file(path).spec("ab" * 32, 123)
+    assert spec.fedavg.max_round_retries == FedAvgParams(num_rounds=1).max_round_retries == 2
+    assert spec_from_wire(spec).config["max_round_retries"] == 2
+    for name, default in ROUND_DEFAULTS.items():
+        assert getattr(FedAvgParams(num_rounds=1), name) == default, name
+    path.write_text(GOOD_TOML.replace("keep_checkpoints = 1", "keep_checkpoints = 1\nmax_round_retries = 0"))
+    assert load_job_file(path).spec("ab" * 32, 123).fedavg.max_round_retries == 0
 
 
 def test_a_json_file_with_an_absolute_model_path_works(folder: Path, tmp_path: Path) -> None:
@@ -145,6 +164,42 @@ BAD_FILES: list[tuple[str, str, str]] = [
         GOOD_TOML.replace('model = "initial.npz"', 'model = "initial.npz"\ndevice_selector = { cores = 4 }'),
         "device_selector.cores must be a string",
     ),
+    # job_data as the coordinator would refuse it, refused before the model is uploaded
+    (
+        "job.toml",
+        GOOD_TOML.replace('"*" = "@trainer"', '"*" = "@trainr"'),
+        "executors['*'] references undefined component '@trainr' (components: 'trainer')",
+    ),
+    (
+        "job.toml",
+        GOOD_TOML.replace('"*" = "@trainer"', '"train" = "@trainer"'),
+        "no executor for task 'evaluate', which the fedavg workflow sends (executors: 'train')",
+    ),
+    (
+        "job.toml",
+        GOOD_TOML.replace('name = "trainer" }', 'name = "trainer", args = { epoch = 2 } }'),
+        "got an unexpected keyword argument 'epoch'",
+    ),
+    (
+        "job.toml",
+        GOOD_TOML.replace(
+            "components = [",
+            'components = [{ type = "NpzDataSource", name = "d", args = { path = "data/none.npz" } }, ',
+        ),
+        "args.path: file ",  # ... <folder>/data/none.npz does not exist
+    ),
+    ("job.toml", GOOD_TOML + "[simulation]\ndevcies = 3\n", "unknown key(s) in simulation: devcies"),
+    (
+        "job.toml",
+        GOOD_TOML + '[simulation]\npartition = "skewed"\n',
+        "simulation.partition must be iid or dirichlet",
+    ),
+    ("job.toml", GOOD_TOML + "[simulation]\ndevices = 0\n", "simulation.devices must be an integer >= 1"),
+    (
+        "job.toml",
+        GOOD_TOML + "[simulation]\npartition_alpha = -1.0\n",
+        "partition_alpha must be a number > 0",
+    ),
 ]
 
 
@@ -198,3 +253,52 @@ def test_safetensors_without_the_package_is_a_clear_error(
     path.write_text(GOOD_TOML.replace("initial.npz", "m.safetensors"))
     with pytest.raises(InvalidArgument, match=r"needs the safetensors package \(pip install safetensors\)"):
         load_job_file(path)
+
+
+def test_a_misspelt_type_is_refused_by_the_coordinator_and_the_cli_says_why(
+    shared_cli: Cli, folder: Path
+) -> None:
+    # The names are the coordinator's to check (it knows which types its devices register): SubmitJob
+    # answers INVALID_ARGUMENT, and the CLI prints the coordinator's message.
+    path = folder / "job.toml"
+    path.write_text(GOOD_TOML.replace('"SoftmaxRegressionTrainer"', '"SoftmaxRegresionTrainer"'))
+    result = shared_cli("job", "submit", str(path))
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith("error: INVALID_ARGUMENT: job_data: component 'trainer' has unknown type")
+    assert "(did you mean 'SoftmaxRegressionTrainer'?)" in result.stderr
+    assert "component_types" in result.stderr
+    listed = shared_cli("job", "list", "--format", "json")
+    assert json.loads(listed.stdout) == []
+
+
+def test_relative_paths_in_job_data_are_the_job_file_s_wherever_it_is_used(
+    folder: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (folder / "data").mkdir()
+    np.savez(folder / "data" / "digits.npz", x_train=np.zeros((4, 2)), y_train=np.zeros(4))
+    path = folder / "job.toml"
+    path.write_text(
+        GOOD_TOML.replace(
+            "components = [",
+            'components = [{ type = "NpzDataSource", name = "d", args = { path = "data/digits.npz" } }, '
+            '{ type = "CsvDataSource", name = "c", args = { train = "/on/the/device.csv" } }, ',
+        )
+        + '[simulation]\ndevices = 3\ndata = "data/digits.npz"\npartition = "dirichlet"\n'
+    )
+    monkeypatch.chdir(tmp_path_factory.mktemp("elsewhere"))
+    job = load_job_file(path)
+    components = {c["name"]: c for c in json.loads(job.job_data)["components"]}
+    assert components["d"]["args"] == {"path": str(folder / "data" / "digits.npz")}
+    assert components["c"]["args"] == {"train": "/on/the/device.csv"}  # a device's path: not checked here
+    assert job.simulation.devices == 3
+    assert job.simulation.data == folder / "data" / "digits.npz"
+    assert job.simulation.partition == "dirichlet"
+    device_data = job.simulation.device_data()
+    assert device_data is not None and device_data.partition == "dirichlet"
+    with pytest.raises(InvalidArgument, match=r"--data: data file .*nothing\.npz does not exist"):
+        job.simulation.device_data(Path("nothing.npz"))
+    # A job file named relatively: the devices still get an absolute path.
+    monkeypatch.chdir(folder.parent)
+    relative = load_job_file(Path(folder.name) / "job.toml")
+    [npz] = [c for c in json.loads(relative.job_data)["components"] if c["name"] == "d"]
+    assert npz["args"]["path"] == str((folder / "data" / "digits.npz").resolve())

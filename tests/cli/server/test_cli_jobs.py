@@ -231,7 +231,8 @@ def test_a_job_run_to_the_end_is_watched_live_and_downloaded(
 def test_devices_failure_reasons_reach_watch_show_and_the_failed_jobs_message(
     cli: Cli, coordinator: CoordinatorThread, tmp_path: Path
 ) -> None:
-    job_id = submit(cli, write_job(tmp_path, rounds=1))
+    # No retries: the first round's failures end the job (the default, 2, would send each device 3 tasks).
+    job_id = submit(cli, write_job(tmp_path, rounds=1, extra_fedavg="max_round_retries = 0"))
     # What a runner sends when its data does not fit the model; a second line and an escape sequence
     # that must not reach an operator's terminal as such.
     raw = "InvalidArgument: the 'train' dataset has 4 features per sample;\n the model expects 7\x1b[2J"

@@ -102,6 +102,10 @@ async def test_sigterm_exits_0_within_the_grace_with_the_result_or_a_release(
     assert await wait_exit(process) == 0, harness.log("device")
     [assignment] = await harness.assignments(job_id)
     assert assignment.state.value == expect, harness.log("device")
+    # It signed off on its way out: not sampled again until it calls, without waiting for the window.
+    assert harness.coordinator.store is not None
+    device = await harness.coordinator.store.get_device(assignment.device_id)
+    assert device.state.value == "OFFLINE", harness.log("device")
     if expect == "RELEASED":
         assert await harness.results(job_id) == []
     else:

@@ -90,7 +90,13 @@ class Control:
         return DXO.from_bytes(b"".join([c.data async for c in stream]))
 
 
+#: The component types the tests' Runners register in their app registries: the coordinator accepts
+#: them in job_data (its component_types setting), as it does the built-ins and import paths.
+APP_TYPES = ("Exploding", "ReturnsNumber", "Garbage", "JobIn", "JobOut", "Log", "Slow")
+
+
 def coordinator_settings(data_dir: Path, **overrides: Any) -> CoordinatorSettings:
+    overrides.setdefault("component_types", APP_TYPES)
     return CoordinatorSettings(
         data_dir=data_dir,
         listen_address="127.0.0.1:0",

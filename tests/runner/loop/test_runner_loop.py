@@ -10,6 +10,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -108,10 +109,6 @@ REGISTRY = ResolverRegistry(
             "executor ReturnsNumber returned int, not a DXO",
         ),
         (
-            {"components": [{"type": "Exploding", "name": "x"}], "executors": {"evaluate": "@x"}},
-            "no executor for task 'train'",
-        ),
-        (
             {
                 "components": [
                     {"type": "SoftmaxRegressionTrainer", "name": "t"},
@@ -122,9 +119,14 @@ REGISTRY = ResolverRegistry(
             },
             "out-filter #0 (GarbageFilter) returned dict, not a DXO",
         ),
-        ({"components": [{"type": "NoSuchType", "name": "x"}]}, "job config: JobConfigError"),
+        (
+            # Well-formed, so the coordinator takes it; this runner allows no module to be imported.
+            {"components": [{"type": "json:JSONDecoder", "name": "x"}], "executors": {"*": "@x"}},
+            "job config: ComponentNotAllowed: component 'x' has type 'json:JSONDecoder' from module 'json', "
+            "which this runner does not allow",
+        ),
     ],
-    ids=["raises", "not-a-dxo", "no-executor", "garbage-filter", "bad-config"],
+    ids=["raises", "not-a-dxo", "garbage-filter", "module-not-allowed"],
 )
 async def test_a_broken_task_is_reported_failed_with_its_cause(
     control: Control, tmp_path: Path, job_data: dict[str, Any], message: str
@@ -146,6 +148,46 @@ async def test_a_broken_task_is_reported_failed_with_its_cause(
     failed = [r for r in await results_of(control, job_id) if r.status.value == "FAILED"]
     assert failed, "the coordinator has no failed result"
     assert message in failed[0].error_message
+
+
+async def test_a_component_type_from_an_allowed_module_is_imported_and_trains(
+    control: Control, tmp_path: Path
+) -> None:
+    [part] = digits_npz(tmp_path, 1)
+    job_data = softmax_job()
+    job_data["components"][0]["type"] = "fedlink.runner.executors:SoftmaxRegressionTrainer"
+    job_id = await control.submit(zero_softmax_model(), job_data, devices=1)
+    runner = make_runner(control, tmp_path / "state", part, allow_components=["fedlink.runner.*"])
+    await asyncio.wait_for(runner.run_async(), 30)
+    assert [r.outcome for r in runner.history] == ["SUCCEEDED"], runner.history
+    assert (await control.describe(job_id)).state == states_pb2.JOB_STATE_FINISHED
+
+
+async def test_the_coordinator_refuses_at_submission_what_every_device_would_fail_on(
+    control: Control,
+) -> None:
+    # What used to be accepted and then fail on every device: a misspelt type, a task (train) with
+    # no executor, a reference to nothing.
+    refused = {
+        "did you mean 'SoftmaxRegressionTrainer'": {
+            "components": [{"type": "SoftmaxRegresionTrainer", "name": "t"}],
+            "executors": {"*": "@t"},
+        },
+        "no executor for task 'train', which the fedavg workflow sends": {
+            "components": [{"type": "SoftmaxRegressionTrainer", "name": "t"}],
+            "executors": {"evaluate": "@t"},
+        },
+        "references undefined component '@dp'": {
+            "components": [{"type": "SoftmaxRegressionTrainer", "name": "t"}],
+            "executors": {"*": "@t"},
+            "out_filters": ["@dp"],
+        },
+    }
+    for fragment, job_data in refused.items():
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await control.submit(zero_softmax_model(), job_data)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+        assert fragment in str(info.value.details()), info.value.details()
 
 
 async def test_filters_and_events_run_in_order(control: Control, tmp_path: Path) -> None:

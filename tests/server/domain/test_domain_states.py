@@ -48,6 +48,8 @@ LEGAL: dict[type[enum.StrEnum], set[tuple[Any, Any]]] = {
         (D.OFFLINE, D.ONLINE),
         (D.ONLINE, D.REVOKED),
         (D.OFFLINE, D.REVOKED),
+        (D.PENDING, D.ONLINE),  # approved
+        (D.PENDING, D.REVOKED),  # refused
     },
     RunState: {(R.RUNNING, R.FINISHED), (R.RUNNING, R.FAILED), (R.RUNNING, R.ABORTED)},
     TaskState: {(T.OPEN, T.CLOSED), (T.OPEN, T.CANCELLED)},

@@ -244,3 +244,25 @@ def test_inconsistent_settings_are_refused(fields: dict[str, object], message: s
 def test_load_settings_reports_inconsistencies_too() -> None:
     with pytest.raises(InvalidArgument, match="invalid settings: tls_cert and tls_key go together"):
         load_settings(config_file=None, environ={"FEDLINK_TLS_KEY": "/k.pem"}, overrides={})
+
+
+def test_enrolment_and_liveness_settings_come_from_flags_env_and_files(tmp_path: Path) -> None:
+    config = tmp_path / "fedlink.toml"
+    config.write_text('[serve]\nmax_devices = 500\nenrolment_replay_window = "2m"\n')
+    settings = load_settings(
+        config_file=config,
+        environ={"FEDLINK_DATA_DIR": str(tmp_path), "FEDLINK_ENROLMENTS_PER_MINUTE": "0"},
+        overrides={"require_approval": True, "device_offline_after": "1m", "job_retry_after": "2s"},
+    )
+    assert settings.max_devices == 500 and settings.enrolment_replay_window == timedelta(minutes=2)
+    assert settings.enrolments_per_minute == 0 and settings.require_approval is True
+    assert settings.online_window == timedelta(minutes=1) and settings.job_retry_after == timedelta(seconds=2)
+    assert CoordinatorSettings(data_dir=tmp_path).max_devices is None  # no cap unless asked
+    for bad, says in (
+        ({"max_devices": "0"}, "max_devices must be at least 1"),
+        ({"enrolment_burst": "0"}, "enrolment_burst must be at least 1"),
+        ({"enrolments_per_minute": "-1"}, "enrolments_per_minute must not be negative"),
+        ({"device_offline_after": "5s"}, r"at least max_task_wait \+ job_retry_after \(0:00:35\)"),
+    ):
+        with pytest.raises(InvalidArgument, match=says):
+            load_settings(environ={"FEDLINK_DATA_DIR": str(tmp_path)}, overrides=bad)

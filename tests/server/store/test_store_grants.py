@@ -90,7 +90,8 @@ async def test_each_owner_uploads_on_its_own_and_the_bytes_are_kept_once(
     await b.append_upload(SHA, 7, DATA[7:], owner="dev-b")
     assert await b.commit_upload(SHA, owner="dev-b") == ref
     rows, uploads, keys, files = await _stored(store, tmp_path)
-    assert rows == [SHA] and uploads == []
+    # No upload is in flight; each owner's complete upload stays marked as held, unused (no bytes).
+    assert rows == [SHA] and [key[:3] for key in uploads] == ["uh-", "uh-"]
     assert keys + files == [SHA]  # one copy of the bytes, wherever the backend keeps them
     assert await b.read(SHA) == DATA
 
@@ -106,7 +107,8 @@ async def test_an_owner_upload_of_other_bytes_is_discarded_even_if_the_blob_is_s
         await store.blobs.commit_upload(SHA, owner="dev-b")
     assert await store.blobs.received_bytes(SHA, owner="dev-b") == 0
     rows, uploads, keys, files = await _stored(store, tmp_path)
-    assert rows == [SHA] and uploads == [] and keys + files == [SHA]
+    assert rows == [SHA] and [key[:3] for key in uploads] == ["uh-"]  # A's, held; B's is gone
+    assert keys + files == [SHA]
     assert await store.blobs.read(SHA) == DATA
 
 

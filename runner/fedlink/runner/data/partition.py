@@ -13,7 +13,7 @@ from fedlink.common.errors import FailedPrecondition, InvalidArgument
 from fedlink.runner.context import Context, ContextKey
 from fedlink.runner.spec import ArrayDataset, Dataset, DataSource
 
-__all__ = ["PartitionedDataSource", "all_partitions", "partition_indices"]
+__all__ = ["PartitionMethod", "PartitionedDataSource", "all_partitions", "partition_indices"]
 
 PartitionMethod = Literal["iid", "dirichlet"]
 _METHODS: Final = ("iid", "dirichlet")

@@ -129,6 +129,11 @@ class Transport(ABC):
     def device_id(self) -> str:
         """The device's id, known once :meth:`open` returned."""
 
+    @property
+    def connection_problem(self) -> str:
+        """Why the coordinator cannot be reached now ("" while it answers, or if the transport can't tell)."""
+        return ""
+
     @abstractmethod
     async def open(self) -> None:
         """Connects, enrols if the device has no identity yet, and delivers any result left pending."""
@@ -158,6 +163,12 @@ class Transport(ABC):
     @abstractmethod
     async def release(self, *, job_id: str, task_id: str, cookie: bytes, reason: str) -> LeaseAck:
         """Gives the task back so another device can take it."""
+
+    async def sign_off(self, reason: str) -> None:
+        """Tells the coordinator that the device stops taking part for now (best effort: a coordinator
+        that cannot be told is not an error). This default, for a transport whose coordinator ends with
+        it (the simulation's in-process one), tells nothing."""
+        return
 
     @abstractmethod
     async def download_blob(self, sha256: str, size_bytes: int) -> bytes:

@@ -7,10 +7,16 @@
   :meth:`~fedlink.runner.transport.state.StateDir.lock`) until :meth:`GrpcTransport.close`.
 * **TLS** from a CA file, or plaintext only when ``insecure=True`` is given explicitly.
 * **Retries**: UNAVAILABLE, DEADLINE_EXCEEDED and ABORTED (and connection failures, which gRPC
-  reports as UNAVAILABLE) are retried without limit, with exponential backoff and full jitter;
-  RESOURCE_EXHAUSTED, INTERNAL and UNKNOWN a few times; everything else cannot succeed by retrying and
-  is raised at once as the matching :mod:`fedlink.common.errors` class. Every mutating call carries a
-  request id that stays the same across its retries. The caller bounds a call by cancelling it.
+  reports as UNAVAILABLE) are retried with exponential backoff and full jitter; RESOURCE_EXHAUSTED,
+  INTERNAL and UNKNOWN a few times; everything else cannot succeed by retrying and is raised at once as
+  the matching :mod:`fedlink.common.errors` class. Every mutating call carries a request id that stays
+  the same across its retries. The caller bounds a call by cancelling it.
+* **Connection failures** name the address and the cause (refused, TLS handshake, unknown CA, host name
+  mismatch, plaintext against TLS and TLS against plaintext...: see
+  :mod:`~fedlink.runner.transport.connection`), once at WARNING, then at DEBUG while the cause stays the
+  same. After ``connect_timeout`` without a single answer the call raises
+  :class:`~fedlink.common.errors.Unavailable` with the last cause. A CA file that is not PEM is refused
+  when the transport is made.
 * **Timeouts** are named for what they bound: ``task_wait`` (the GetTask long poll) and
   ``per_request`` (any other call); job discovery is the Runner's ``job_timeout``.
 * **Large payloads**: a result over ``blob_threshold_bytes`` goes through UploadBlob (resumed from
@@ -38,6 +44,7 @@ from google.protobuf import timestamp_pb2
 
 from fedlink.common.dxo import DXO
 from fedlink.common.errors import (
+    AlreadyExists,
     FailedPrecondition,
     FedlinkError,
     InvalidArgument,
@@ -48,6 +55,7 @@ from fedlink.common.errors import (
     Unavailable,
 )
 from fedlink.common.files import FileLock
+from fedlink.common.retry_info import retry_after_of
 from fedlink.common.version import PROTOCOL_VERSION
 from fedlink.runner.transport.backoff import Backoff
 from fedlink.runner.transport.base import (
@@ -60,6 +68,7 @@ from fedlink.runner.transport.base import (
     Transport,
     with_model_version,
 )
+from fedlink.runner.transport.connection import ConnectionWatch, read_ca_file
 from fedlink.runner.transport.state import Identity, StateDir
 from fedlink.v1 import dxo_pb2, states_pb2
 from fedlink.v1 import runner_service_pb2 as pb
@@ -88,6 +97,7 @@ _MAYBE_TRANSIENT: Final = frozenset(
 )
 _ERRORS: Final[dict[grpc.StatusCode, type[FedlinkError]]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
@@ -122,6 +132,9 @@ class GrpcTransportConfig:
     """How long one GetTask long poll may be held by the coordinator."""
     per_request: timedelta = timedelta(seconds=30)
     """Deadline of every other call (and the margin added to the long poll's)."""
+    connect_timeout: timedelta = timedelta(minutes=5)
+    """How long the coordinator may stay unreachable (no answer at all) before a call gives up with the
+    last cause; 0 waits for ever. Any answer, even a fault, starts the count again."""
     backoff: Backoff = field(default_factory=Backoff)
     """Waits between retries of a failed call."""
     limited_retries: int = 5
@@ -138,6 +151,8 @@ class GrpcTransportConfig:
             raise InvalidArgument(f"server must be host:port, got {self.server!r}")
         if self.insecure and self.ca_cert is not None:
             raise InvalidArgument("insecure and ca_cert exclude each other: pick one")
+        if self.connect_timeout < timedelta(0):
+            raise InvalidArgument("connect_timeout cannot be negative (0 waits for ever)")
         if not 0 < self.chunk_bytes <= 1024**2:
             raise InvalidArgument(f"chunk_bytes must be in (0, 1 MiB], got {self.chunk_bytes}")
 
@@ -146,7 +161,21 @@ class GrpcTransport(Transport):
     """Speaks RunnerService over one grpc.aio channel (see the module docstring for the behaviour)."""
 
     def __init__(self, config: GrpcTransportConfig) -> None:
+        """Creates the transport (it connects in :meth:`open`).
+
+        Raises:
+            InvalidArgument: the CA file cannot be read or holds no PEM certificate.
+        """
         self.config = config
+        #: Read now: a CA file that is not PEM is a mistake to fix, not a handshake retried for ever.
+        self._root_certificates = None if config.ca_cert is None else read_ca_file(config.ca_cert)
+        self._watch = ConnectionWatch(
+            config.server,
+            tls=not config.insecure,
+            ca_file=config.ca_cert,
+            connect_timeout=config.connect_timeout,
+            logger=_log,
+        )
         self.state = StateDir(config.state_dir)
         self._lock: FileLock | None = None
         self._channel: grpc.aio.Channel | None = None
@@ -202,14 +231,14 @@ class GrpcTransport(Transport):
         ]
         if self.config.insecure:
             return grpc.aio.insecure_channel(self.config.server, options=options)
-        root = None
-        if self.config.ca_cert is not None:
-            try:
-                root = Path(self.config.ca_cert).read_bytes()
-            except OSError as exc:
-                raise FailedPrecondition(f"cannot read the CA file {self.config.ca_cert}: {exc}") from None
-        credentials = grpc.ssl_channel_credentials(root_certificates=root)
+        credentials = grpc.ssl_channel_credentials(root_certificates=self._root_certificates)
         return grpc.aio.secure_channel(self.config.server, credentials, options=options)
+
+    @property
+    def connection_problem(self) -> str:
+        """Why the coordinator cannot be reached now, with its address ("" while it answers)."""
+        failure = self._watch.last
+        return "" if failure is None else str(failure)
 
     @property
     def _rpc(self) -> pb_grpc.RunnerServiceAsyncStub:
@@ -232,14 +261,15 @@ class GrpcTransport(Transport):
             # re-enrols with the same request id, which the coordinator answers with the same device.
             identity = Identity(enroll_request_id=str(uuid.uuid4()), server=self.config.server)
             self.state.save_identity(identity)
-        request = pb.EnrollRequest(
-            join_secret=self.config.join_secret,
-            device_info=self.config.device_info,
-            user_info=self.config.user_info,
-            protocol_version=PROTOCOL_VERSION,
-            request_id=identity.enroll_request_id,
-        )
-        reply = await self._call("Enroll", lambda: self._rpc.Enroll(request, timeout=self._per_request))
+        try:
+            reply = await self._enroll(identity.enroll_request_id)
+        except AlreadyExists as exc:
+            # The saved request id is answered no more (its first call was too long ago, or was another
+            # request): that enrolment's credential never reached us, so enrol anew under a new id.
+            _log.info(f"enrolling under a new request id: {exc}")
+            identity = Identity(enroll_request_id=str(uuid.uuid4()), server=self.config.server)
+            self.state.save_identity(identity)
+            reply = await self._enroll(identity.enroll_request_id)
         identity = Identity(
             enroll_request_id=identity.enroll_request_id,
             device_id=reply.device_id,
@@ -250,34 +280,95 @@ class GrpcTransport(Transport):
         self._identity = identity
         _log.info("enrolled", extra={"device_id": identity.device_id, "server": self.config.server})
 
+    async def _enroll(self, request_id: str) -> pb.EnrollResponse:
+        request = pb.EnrollRequest(
+            join_secret=self.config.join_secret,
+            device_info=self.config.device_info,
+            user_info=self.config.user_info,
+            protocol_version=PROTOCOL_VERSION,
+            request_id=request_id,
+        )
+        reply = await self._call("Enroll", lambda: self._rpc.Enroll(request, timeout=self._per_request))
+        if reply.state == states_pb2.DEVICE_STATE_PENDING:
+            _log.warning(
+                f"enrolled as {reply.device_id}, which awaits an operator's approval "
+                f"(fedlink device approve {reply.device_id})"
+            )
+        return reply
+
+    async def sign_off(self, reason: str) -> None:
+        """Tells the coordinator the device stops: one attempt within ``per_request``, not retried (the
+        runner is on its way out); a fault is logged, and the coordinator notices the silence later."""
+        if self._stub is None or self._identity is None or not self._identity.enrolled:
+            return
+        request = pb.SignOffRequest(reason=reason[:200], request_id=str(uuid.uuid4()))
+        try:
+            await self._rpc.SignOff(request, metadata=self._metadata(), timeout=self._per_request)
+        except grpc.aio.AioRpcError as exc:
+            self.failed_attempts.append(("SignOff", exc.code().name))
+            _log.info(f"SignOff failed ({exc.code().name}: {exc.details() or ''})")
+            return
+        _log.info("signed off", extra={"device_id": self._identity.device_id, "reason": reason[:200]})
+
     @property
     def _per_request(self) -> float:
         return self.config.per_request.total_seconds()
 
     # ---- the retry loop ----
     async def _call(self, rpc: str, attempt: Callable[[], Awaitable[_T]]) -> _T:
-        """Runs ``attempt`` until it succeeds or fails in a way retrying cannot fix."""
+        """Runs ``attempt`` until it succeeds or fails in a way retrying cannot fix.
+
+        Raises:
+            FedlinkError: the matching class for a fault retrying cannot fix; Unavailable once the
+                coordinator has been unreachable for ``connect_timeout``.
+        """
         failures = 0
         limited = 0
         while True:
             try:
-                return await attempt()
+                reply = await attempt()
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 self.failed_attempts.append((rpc, code.name))
-                if code in _MAYBE_TRANSIENT:
+                # A fault that says when to try again (a rate limit) is retried then, without limit.
+                if code in _MAYBE_TRANSIENT and retry_after_of(exc.trailing_metadata()) is None:
                     limited += 1
                 if code not in _TRANSIENT and (
                     code not in _MAYBE_TRANSIENT or limited > self.config.limited_retries
                 ):
+                    self._watch.answered()
                     raise self._error(rpc, exc) from None
-                delay = self.config.backoff.delay(failures)
                 failures += 1
-                _log.info(
-                    f"{rpc} failed ({code.name}), retry {failures} in {delay:.3f}s",
-                    extra={"rpc": rpc, "code": code.name, "attempt": failures, "delay_s": round(delay, 3)},
-                )
-                await asyncio.sleep(delay)
+                await asyncio.sleep(self._retry_delay(rpc, exc, failures))
+            else:
+                self._watch.answered()
+                return reply
+
+    def _retry_delay(self, rpc: str, exc: grpc.aio.AioRpcError, retry: int) -> float:
+        """The wait before retry number ``retry`` (from 1) of ``rpc``, after it failed with ``exc``.
+
+        A connection failure is logged by the watch (once at WARNING per cause); any other transient fault
+        here, at INFO.
+
+        Raises:
+            Unavailable: the coordinator has been unreachable for ``connect_timeout``.
+        """
+        delay = self.config.backoff.after(retry_after_of(exc.trailing_metadata()), retry - 1)
+        details = exc.details() or ""
+        failure = self._watch.failed(
+            rpc, exc.code(), details, connected=self._connected(), retry=retry, delay=delay
+        )
+        if failure is not None:
+            return min(delay, self._watch.remaining())
+        _log.info(
+            f"{rpc} failed ({exc.code().name}: {details}), retry {retry} in {delay:.3f}s",
+            extra={"rpc": rpc, "code": exc.code().name, "attempt": retry, "delay_s": round(delay, 3)},
+        )
+        return delay
+
+    def _connected(self) -> bool:
+        channel = self._channel
+        return channel is not None and channel.get_state() is grpc.ChannelConnectivity.READY
 
     def _error(self, rpc: str, exc: grpc.aio.AioRpcError) -> FedlinkError:
         details = exc.details() or exc.code().name
@@ -455,14 +546,15 @@ class GrpcTransport(Transport):
             except grpc.aio.AioRpcError as exc:
                 self.failed_attempts.append(("DownloadBlob", exc.code().name))
                 if exc.code() not in _TRANSIENT:
+                    self._watch.answered()
                     raise self._error("DownloadBlob", exc) from None
-                delay = self.config.backoff.delay(failures)
                 failures += 1
                 _log.info(
                     "blob download interrupted, resuming", extra={"sha256": sha256, "offset": len(buffer)}
                 )
-                await asyncio.sleep(delay)
+                await asyncio.sleep(self._retry_delay("DownloadBlob", exc, failures))
                 continue
+            self._watch.answered()
             if size_bytes and len(buffer) != size_bytes:
                 raise InvalidArgument(f"blob {sha256}: got {len(buffer)} bytes, expected {size_bytes}")
             if hashlib.sha256(buffer).hexdigest() != sha256:
@@ -494,6 +586,7 @@ class GrpcTransport(Transport):
                     metadata=self._metadata(),
                     timeout=self._per_request,
                 )
+                self._watch.answered()
                 if status.complete:
                     return sha
                 reply = await self._rpc.UploadBlob(
@@ -505,11 +598,11 @@ class GrpcTransport(Transport):
             except grpc.aio.AioRpcError as exc:
                 self.failed_attempts.append(("UploadBlob", exc.code().name))
                 if exc.code() not in _TRANSIENT:
+                    self._watch.answered()
                     raise self._error("UploadBlob", exc) from None
-                delay = self.config.backoff.delay(failures)
                 failures += 1
                 _log.info("blob upload interrupted, resuming", extra={"sha256": sha})
-                await asyncio.sleep(delay)
+                await asyncio.sleep(self._retry_delay("UploadBlob", exc, failures))
 
 
 async def _upload_parts(

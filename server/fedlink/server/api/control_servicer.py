@@ -30,6 +30,7 @@ DEVICE_STATES = {
     DeviceState.ONLINE: states_pb2.DEVICE_STATE_ONLINE,
     DeviceState.OFFLINE: states_pb2.DEVICE_STATE_OFFLINE,
     DeviceState.REVOKED: states_pb2.DEVICE_STATE_REVOKED,
+    DeviceState.PENDING: states_pb2.DEVICE_STATE_PENDING,
 }
 _DEVICE_STATES_BACK = {v: k for k, v in DEVICE_STATES.items()}
 
@@ -89,6 +90,17 @@ def event_message(event: JobEvent) -> pb.WatchJobResponse:
         )
         message.result_received.num_results = int(body.get("num_results", 0))
         message.result_received.error_message = str(body.get("error", ""))
+    elif event.kind == "model_version":
+        version = message.model_version
+        version.num_updates = int(body.get("num_updates", 0))
+        staleness = {int(k): int(v) for k, v in dict(body.get("staleness", {})).items()}
+        version.staleness_counts.extend(staleness.get(k, 0) for k in range(max(staleness, default=-1) + 1))
+        version.metrics.update({k: float(v) for k, v in dict(body.get("metrics", {})).items()})
+        version.selection = int(body.get("selection", 0))
+        counters = dict(body.get("counters", {}))
+        version.num_failed = int(counters.get("failed", 0))
+        version.num_lost = int(counters.get("lost", 0))
+        version.num_stale = int(counters.get("stale", 0))
     elif event.kind == "job_state_changed":
         state = JOB_STATES[JobState(body["state"])]
         message.job_state_changed.state = state
@@ -165,6 +177,13 @@ class ControlServicer:
     async def RevokeDevice(self, request: pb.RevokeDeviceRequest, call: Call) -> pb.RevokeDeviceResponse:
         return pb.RevokeDeviceResponse(
             device=device_message(await self._protocol.revoke_device(request.device_id))
+        )
+
+    async def ApproveDevice(self, request: pb.ApproveDeviceRequest, call: Call) -> pb.ApproveDeviceResponse:
+        if not request.device_id:
+            raise InvalidArgument("device_id is required")
+        return pb.ApproveDeviceResponse(
+            device=device_message(await self._protocol.approve_device(request.device_id))
         )
 
     async def UploadModel(

@@ -6,13 +6,21 @@ Durations are in range, run the implementation, map fedlink errors to status cod
 metrics. Implementations are plain async methods named like the RPCs, taking ``(request, call)`` and
 returning the response (or, for server streams, an async iterator of responses; for client streams,
 ``request`` is an async iterator).
+
+The caller is authenticated from its metadata *before* its request is read: every method is served to
+grpc as a stream of requests, which grpc does not read until the handler asks, so a caller without a
+valid credential is refused with its body unread, and one the service lets in without a credential
+(``Enroll``) has its body read through :class:`~fedlink.server.api.admission.UnauthenticatedReads`
+(few at once, small). See :mod:`fedlink.server.api.admission`. An implementation may have a method's
+request parsed as another, wire-compatible message class by naming it in a ``request_types`` mapping
+attribute (method name to class), e.g. to leave a large nested message as bytes.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -22,10 +30,13 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
 from fedlink.common.errors import FedlinkError, InvalidArgument
+from fedlink.common.retry_info import STATUS_DETAILS_KEY, encode_status
+from fedlink.server.api.admission import RefusedBytes, UnauthenticatedReads, read_body
 from fedlink.server.api.durations import DurationPath, check_durations, duration_paths
-from fedlink.server.api.errors import status_code_for
+from fedlink.server.api.errors import status_code_for, store_outage_as_unavailable
 from fedlink.server.domain import Device
 from fedlink.server.logs import bind_task
+from fedlink.server.memory import release_soon
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +64,8 @@ class Call:
     principal: Principal
     context: grpc.aio.ServicerContext[Any, Any]
     method: str
+    #: The size of the request's body (0 for a client stream).
+    request_bytes: int = 0
 
 
 class Authenticator(Protocol):
@@ -115,6 +128,9 @@ class _Guard:
         observer: RpcObserver | None,
         logged: tuple[str, ...] = (),
         durations: tuple[DurationPath, ...] = (),
+        parse: Callable[[bytes], object] | None = None,
+        unauthenticated: UnauthenticatedReads | None = None,
+        refused: RefusedBytes | None = None,
     ) -> None:
         self.service = service
         self.method = method
@@ -124,13 +140,41 @@ class _Guard:
         self.logged = logged
         #: Where this method's request holds Durations, each checked in range before the method runs.
         self.durations = durations
+        #: Parses the request's bytes (a _Malformed for bytes that are no such message).
+        self.parse: Callable[[bytes], object] = parse or bytes
+        #: Reads the body of a call made without a credential (an anonymous principal).
+        self.unauthenticated = unauthenticated or UnauthenticatedReads()
+        #: The refused bytes each device may still make us read, if bounded (see admission.py).
+        self.refused = refused
 
-    async def begin(self, request: object, context: grpc.aio.ServicerContext[Any, Any]) -> Call:
+    async def receive(self, context: grpc.aio.ServicerContext[Any, Any]) -> tuple[object, Call]:
+        """Authenticates the caller, then reads and parses its one request (see the module doc)."""
+        principal = await self.authenticate(bearer_token(context), self.method)
+        if principal.kind == ANONYMOUS.kind:
+            data = await self.unauthenticated.read(context, self.method)
+        else:
+            if self.refused is not None and principal.device_id:
+                self.refused.check(principal.device_id, self.method)  # before its body is read
+            data = await read_body(context, self.method)
+        request, size = self.parse(data), len(data)
+        del data  # a refusal's traceback must not keep the body alive
+        return request, self._admit(request, principal, context, size)
+
+    async def begin(self, context: grpc.aio.ServicerContext[Any, Any]) -> Call:
+        """Authenticates the caller of a client stream (its requests are read by the method)."""
+        return self._admit(None, await self.authenticate(bearer_token(context), self.method), context)
+
+    def _admit(
+        self,
+        request: object,
+        principal: Principal,
+        context: grpc.aio.ServicerContext[Any, Any],
+        request_bytes: int = 0,
+    ) -> Call:
         if isinstance(request, _Malformed):
             raise InvalidArgument(
                 f"{self.method}: the request is not a valid protobuf message ({request.error})"
             )
-        principal = await self.authenticate(bearer_token(context), self.method)
         if self.durations and isinstance(request, pb_message.Message):
             check_durations(request, self.durations)
         # Every log line of this call carries who and what it is about (the call runs in its own task).
@@ -143,7 +187,7 @@ class _Guard:
             fields["device_id"] = principal.device_id
         if fields:
             bind_task(**fields)
-        return Call(principal, context, self.method)
+        return Call(principal, context, self.method, request_bytes)
 
     def resolve(
         self, error: Exception, context: grpc.aio.ServicerContext[Any, Any]
@@ -169,47 +213,63 @@ class _Guard:
         included, in a reference cycle with that state. Every refused request (a refused payload of
         hundreds of MiB too) then stayed in memory until the cyclic collector ran.
         """
+        error = store_outage_as_unavailable(error)
         code, message = self.resolve(error, context)
         if message is None:
             raise error
         context.set_code(code)
         context.set_details(message)
+        if code is grpc.StatusCode.UNAUTHENTICATED:
+            release_soon()  # grpc buffered part of the unread body: give it back (see admission.py)
+        if isinstance(error, FedlinkError) and error.retry_after is not None:
+            # When to try again, as a google.rpc.RetryInfo in the standard status details.
+            details = encode_status(code.value[0], message, error.retry_after)
+            context.set_trailing_metadata(((STATUS_DETAILS_KEY, details),))
         return code
 
-    def done(self, code: grpc.StatusCode, started: float) -> None:
+    def done(self, code: grpc.StatusCode, started: float, call: Call | None) -> None:
+        if self.refused is not None and call is not None and call.principal.device_id:
+            self.refused.charge(call.principal.device_id, code, call.request_bytes)
         if self.observer is not None:
             self.observer.observe(self.service, self.method, code, time.perf_counter() - started)
 
 
 def _unary(guard: _Guard, impl: Callable[..., Awaitable[Any]], *, streamed: bool) -> Callable[..., Any]:
-    async def handle(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+    async def handle(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         started, code = time.perf_counter(), grpc.StatusCode.INTERNAL
+        call: Call | None = None
         try:
-            call = await guard.begin(None if streamed else request, context)
-            response = await impl(_checked_stream(request, guard.method) if streamed else request, call)
+            request: object
+            if streamed:
+                call = await guard.begin(context)
+                request = _checked_stream(requests, guard.method)
+            else:
+                request, call = await guard.receive(context)
+            response = await impl(request, call)
             code = grpc.StatusCode.OK
             return response
         except Exception as exc:
             code = guard.fail(exc, context)
             return None
         finally:
-            guard.done(code, started)
+            guard.done(code, started, call)
 
     return handle
 
 
 def _server_stream(guard: _Guard, impl: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
-    async def handle(request: object, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+    async def handle(requests: object, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         started, code = time.perf_counter(), grpc.StatusCode.INTERNAL
+        call: Call | None = None
         try:
-            call = await guard.begin(request, context)
+            request, call = await guard.receive(context)
             async for item in impl(request, call):
                 yield item
             code = grpc.StatusCode.OK
         except Exception as exc:
             code = guard.fail(exc, context)
         finally:
-            guard.done(code, started)
+            guard.done(code, started, call)
 
     return handle
 
@@ -226,20 +286,43 @@ def method_handlers(
     implementation: object,
     authenticate: Authenticator,
     observer: RpcObserver | None = None,
+    unauthenticated: UnauthenticatedReads | None = None,
+    refused: RefusedBytes | None = None,
 ) -> grpc.GenericRpcHandler:
     """Returns a generic handler serving every RPC of ``service`` from ``implementation``.
+
+    Args:
+        service: The service's descriptor.
+        implementation: Has an async method per RPC (and optionally ``request_types``).
+        authenticate: Turns the caller's bearer token into a principal, before its request is read.
+        observer: Told about every finished call.
+        unauthenticated: The gate through which the requests of callers that the authenticator lets
+            in without a credential are read (default: one of this service's own).
+        refused: Bounds the refused bytes each device may make the service read (default: no bound).
 
     Raises:
         TypeError: if ``implementation`` lacks a method for one of the service's RPCs.
     """
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+    unauthenticated = unauthenticated or UnauthenticatedReads()
+    declared = getattr(implementation, "request_types", None)
+    request_types: Mapping[str, type[pb_message.Message]] = declared if isinstance(declared, Mapping) else {}
     for method in service.methods:
         impl = getattr(implementation, method.name, None)
         if impl is None:
             raise TypeError(
                 f"{type(implementation).__name__} does not implement {service.name}.{method.name}"
             )
-        handlers[method.name] = _handler_for(service, method, impl, authenticate, observer)
+        handlers[method.name] = _handler_for(
+            service,
+            method,
+            impl,
+            authenticate,
+            observer,
+            unauthenticated,
+            request_types.get(method.name),
+            refused,
+        )
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
@@ -249,24 +332,30 @@ def _handler_for(
     impl: Callable[..., Any],
     authenticate: Authenticator,
     observer: RpcObserver | None,
+    unauthenticated: UnauthenticatedReads,
+    request_cls: type[pb_message.Message] | None = None,
+    refused: RefusedBytes | None = None,
 ) -> grpc.RpcMethodHandler[Any, Any]:
     logged = tuple(name for name in _LOGGED_FIELDS if name in method.input_type.fields_by_name)
     durations = duration_paths(method.input_type)
-    guard = _Guard(service.name, method.name, authenticate, observer, logged, durations)
-    request_cls = message_factory.GetMessageClass(method.input_type)
-    parse = _deserializer(request_cls)
+    parse = _deserializer(request_cls or message_factory.GetMessageClass(method.input_type))
+    guard = _Guard(
+        service.name, method.name, authenticate, observer, logged, durations, parse, unauthenticated, refused
+    )
     if method.client_streaming and not method.server_streaming:
         return grpc.stream_unary_rpc_method_handler(
             _unary(guard, impl, streamed=True), request_deserializer=parse, response_serializer=_serializer
         )
-    if method.server_streaming and not method.client_streaming:
-        return grpc.unary_stream_rpc_method_handler(
-            _server_stream(guard, impl), request_deserializer=parse, response_serializer=_serializer
-        )
-    if method.client_streaming or method.server_streaming:
+    if method.client_streaming and method.server_streaming:
         raise TypeError(f"bidirectional streams are not supported ({method.full_name})")
-    return grpc.unary_unary_rpc_method_handler(
-        _unary(guard, impl, streamed=False), request_deserializer=parse, response_serializer=_serializer
+    # A unary request is served as a stream of requests: read (as bytes) only once the caller is
+    # authenticated, then parsed by the guard.
+    if method.server_streaming:
+        return grpc.stream_stream_rpc_method_handler(
+            _server_stream(guard, impl), response_serializer=_serializer
+        )
+    return grpc.stream_unary_rpc_method_handler(
+        _unary(guard, impl, streamed=False), response_serializer=_serializer
     )
 
 

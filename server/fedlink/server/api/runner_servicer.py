@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from datetime import UTC
+
+from google.protobuf.message import Message
 
 from fedlink.common.errors import InvalidArgument
 from fedlink.common.status import DeviceStatus
 from fedlink.common.version import PROTOCOL_VERSION
 from fedlink.server.api.durations import duration_field
+from fedlink.server.api.report_view import REPORT_RESULT_VIEW, read_report
 from fedlink.server.api.rpc import Call
 from fedlink.server.api.uploads import split_upload
 from fedlink.server.domain import Device, ResultStatus
 from fedlink.server.protocol.device import DeviceProtocol, ResultInput, TaskReply
 from fedlink.server.protocol.possession import receive_device_upload, upload_status
 from fedlink.server.protocol.transfers import send_blob
-from fedlink.server.store import StateStore
+from fedlink.server.store import StateStore, UploadQuota
 from fedlink.v1 import dxo_pb2, states_pb2
 from fedlink.v1 import runner_service_pb2 as pb
 
@@ -36,11 +39,22 @@ _RESULT_STATUS = {
 class RunnerServicer:
     """Implements fedlink.v1.RunnerService over :class:`DeviceProtocol`."""
 
-    def __init__(self, protocol: DeviceProtocol, store: StateStore, *, max_blob_bytes: int) -> None:
+    #: ReportResult's inline DXO stays bytes until the device protocol checks it off the event loop.
+    request_types: Mapping[str, type[Message]] = {"ReportResult": REPORT_RESULT_VIEW}
+
+    def __init__(
+        self,
+        protocol: DeviceProtocol,
+        store: StateStore,
+        *,
+        max_blob_bytes: int,
+        upload_quota: UploadQuota | None = None,
+    ) -> None:
         self._protocol = protocol
         self._store = store
         self._blobs = store.blobs
         self._max_blob_bytes = max_blob_bytes
+        self._upload_quota = upload_quota
         self._payloads: dict[str, dxo_pb2.Dxo] = {}
 
     def _device(self, call: Call) -> Device:
@@ -60,6 +74,8 @@ class RunnerServicer:
             device_id=enrolment.device_id,
             device_credential=enrolment.credential,
             protocol_version=PROTOCOL_VERSION,
+            # The domain's state names are the wire's without the prefix (a test checks they agree).
+            state=states_pb2.DeviceState.Value(f"DEVICE_STATE_{enrolment.state.value}"),
         )
 
     async def GetJob(self, request: pb.GetJobRequest, call: Call) -> pb.GetJobResponse:
@@ -120,29 +136,24 @@ class RunnerServicer:
             self._payloads[sha256] = message
         return message
 
-    async def ReportResult(self, request: pb.ReportResultRequest, call: Call) -> pb.ReportResultResponse:
-        status = _RESULT_STATUS.get(request.status)
+    async def ReportResult(self, request: Message, call: Call) -> pb.ReportResultResponse:
+        fields = read_report(request)  # parsed as REPORT_RESULT_VIEW: the inline DXO is its bytes
+        del request
+        status = _RESULT_STATUS.get(fields.status)  # type: ignore[call-overload]
         if status is None:
             raise InvalidArgument("status must be RESULT_STATUS_SUCCEEDED or RESULT_STATUS_FAILED")
-        inline: bytes | None = None
-        blob: str | None = None
-        if status is ResultStatus.SUCCEEDED:
-            where = request.result.WhichOneof("location")
-            if where == "dxo":
-                inline = request.result.dxo.SerializeToString(deterministic=True)
-            elif where == "blob":
-                blob = request.result.blob.sha256
+        succeeded = status is ResultStatus.SUCCEEDED
         reply = await self._protocol.report_result(
             self._device(call),
             ResultInput(
-                job_id=request.job_id,
-                task_id=request.task_id,
-                cookie=request.cookie,
+                job_id=fields.job_id,
+                task_id=fields.task_id,
+                cookie=fields.cookie,
                 status=status,
-                inline=inline,
-                blob_sha256=blob,
-                error_message=request.error_message,
-                request_id=request.request_id,
+                inline=fields.inline if succeeded else None,
+                blob_sha256=fields.blob_sha256 if succeeded else None,
+                error_message=fields.error_message,
+                request_id=fields.request_id,
             ),
         )
         return pb.ReportResultResponse(
@@ -166,6 +177,10 @@ class RunnerServicer:
         )
         return pb.ReleaseAssignmentResponse(status=_STATUS[reply.status])
 
+    async def SignOff(self, request: pb.SignOffRequest, call: Call) -> pb.SignOffResponse:
+        reply = await self._protocol.sign_off(self._device(call), reason=request.reason)
+        return pb.SignOffResponse(status=_STATUS[reply.status], released_assignments=reply.released)
+
     async def UploadBlob(
         self, requests: AsyncIterator[pb.UploadBlobRequest], call: Call
     ) -> pb.UploadBlobResponse:
@@ -179,6 +194,7 @@ class RunnerServicer:
             offset=header.offset,
             chunks=chunks,
             max_bytes=self._max_blob_bytes,
+            quota=self._upload_quota,
         )
         response = pb.UploadBlobResponse()
         response.blob.sha256 = ref.sha256

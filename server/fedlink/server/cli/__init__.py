@@ -17,3 +17,12 @@ def server_commands() -> list[click.Command]:
     from fedlink.server.cli.simulate import simulate_command
 
     return [serve_command, job_group, device_group, db_group, simulate_command]
+
+
+def operator_commands() -> list[click.Command]:
+    """Returns the operator's commands, ``job`` and ``device``: gRPC clients of a running coordinator,
+    which need none of the server extra (a runner-only install has them too)."""
+    from fedlink.server.cli.devices import device_group
+    from fedlink.server.cli.jobs import job_group
+
+    return [job_group, device_group]

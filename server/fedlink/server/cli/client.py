@@ -132,11 +132,12 @@ class ConnectionOptions:
         if ca is None:
             credentials = grpc.ssl_channel_credentials()  # the system's trusted roots
         else:
-            # Imported here: the TLS module pulls in cryptography, which only this path needs.
-            from fedlink.server.tls import load_channel_credentials
+            # The runner's check of a CA file (the standard library's ssl, not cryptography): the
+            # operator's commands run without the server extra.
+            from fedlink.runner.transport.connection import read_ca_file
 
             try:
-                credentials = load_channel_credentials(ca)
+                credentials = grpc.ssl_channel_credentials(root_certificates=read_ca_file(ca))
             except FedlinkError as exc:
                 fail(exc.message)
         return grpc.secure_channel(self.server, credentials, options=options)

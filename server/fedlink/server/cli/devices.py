@@ -1,4 +1,4 @@
-"""``fedlink device``: list the enrolled devices and revoke one."""
+"""``fedlink device``: list the enrolled devices, approve one that awaits approval, revoke one."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from fedlink.server.cli.client import (
 from fedlink.v1 import control_service_pb2 as cpb
 from fedlink.v1 import states_pb2
 
-_STATE_NAMES: Final = ("online", "offline", "revoked")
+_STATE_NAMES: Final = ("online", "offline", "revoked", "pending")
 
 
 def _state(state: int) -> str:
@@ -50,7 +50,7 @@ def device_dict(device: cpb.Device) -> dict[str, object]:
 
 @click.group(name="device")
 def device_group() -> None:
-    """List and revoke the devices enrolled with a running coordinator."""
+    """List, approve and revoke the devices enrolled with a running coordinator."""
 
 
 @device_group.command("list")
@@ -90,6 +90,20 @@ def list_command(state: str | None, limit: int, output_format: str, connection: 
         for d in devices
     ]
     echo_table(["DEVICE ID", "STATE", "PLATFORM", "LAST SEEN"], rows)
+
+
+@device_group.command("approve")
+@click.argument("device_id")
+@connection_options
+def approve_command(device_id: str, connection: ConnectionOptions) -> None:
+    """Approve a device that awaits approval (serve --require-approval): it may take part in jobs."""
+    with control_client(connection) as client:
+        device = client.stub.ApproveDevice(
+            cpb.ApproveDeviceRequest(device_id=device_id, request_id=str(uuid.uuid4())),
+            metadata=client.metadata,
+            timeout=CALL_TIMEOUT_S,
+        ).device
+    click.echo(f"device {device.device_id} {_state(device.state)}")
 
 
 @device_group.command("revoke")

@@ -23,6 +23,13 @@ its initial model.
     components = [{ type = "SoftmaxRegressionTrainer", name = "trainer", args = { epochs = 1 } }]
     executors = { "*" = "@trainer" }
 
+    [simulation]                               # optional: what `fedlink simulate` gives its devices
+    devices = 10                               # the default of --devices
+    data = "digits.npz"                        # relative to this file; --data replaces it
+    partition = "dirichlet"                    # or "iid"; as fedlink runner --partition
+    partition_alpha = 0.5
+    partition_seed = 0
+
 The workflow section is one of the built-in workflows' names (``fedavg``, ``fedavgm``, ``fedadam``,
 ``fedyogi``, ``fedadagrad``, ``fedmedian``, ``fedtrimmedavg``, ``krum``), holding FedAvg's round keys
 above plus the strategy's own (``server_learning_rate = 0.05`` for ``[fedadam]``), or ``[workflow]``
@@ -33,9 +40,19 @@ for a workflow of one's own::
     config = { num_rounds = 3 }                # handed to the factory as JSON
 
 Everything is checked here, before anything is sent: an unknown key, a value of the wrong type, a
-parameter out of range, a model file that is missing or holds anything but int/float arrays — each is
+parameter out of range, a model file that is missing or holds anything but int/float arrays, a
+``job_data`` the coordinator would refuse (:func:`fedlink.runner.validation.check_job_data`: a
+dangling ``@ref``, a task of the workflow with no executor, a built-in type's unknown arg; the type
+names themselves are checked by the coordinator, which knows which its devices register) — each is
 a :class:`~fedlink.common.errors.InvalidArgument` naming the file and the key. (A custom workflow's
 config is checked by the coordinator that runs it.)
+
+Relative paths are relative to the job file, wherever the command runs: the model, the
+``[simulation]`` data, and the file args of the built-in data sources in ``job_data``
+(``NpzDataSource.path``, ``CsvDataSource.train``/``valid``/``test``), which are sent as absolute
+paths and must exist. An absolute path in ``job_data`` is a path on the devices and is not checked
+here. The ``[simulation]`` section is read by ``fedlink simulate`` only; ``fedlink job submit`` checks
+it and sends nothing of it.
 """
 
 from __future__ import annotations
@@ -53,6 +70,9 @@ import numpy.typing as npt
 
 from fedlink.common.dxo import DXO, DataKind
 from fedlink.common.errors import InvalidArgument
+from fedlink.runner.data import DeviceData
+from fedlink.runner.data.partition import PartitionMethod
+from fedlink.runner.validation import check_job_data, resolve_paths
 from fedlink.server.domain import WorkflowSpec
 from fedlink.server.workflows import registry
 from fedlink.server.workflows.wire import spec_to_wire
@@ -60,7 +80,10 @@ from fedlink.v1 import control_service_pb2 as cpb
 
 #: The section of a workflow of one's own (``name`` and ``config``).
 CUSTOM_SECTION: Final = "workflow"
-_COMMON_KEYS: Final = frozenset({"name", "model", "device_selector", "job_data"})
+#: The section read by ``fedlink simulate`` only.
+SIMULATION_SECTION: Final = "simulation"
+_COMMON_KEYS: Final = frozenset({"name", "model", "device_selector", "job_data", SIMULATION_SECTION})
+_SIMULATION_KEYS: Final = ("devices", "data", "partition", "partition_alpha", "partition_seed")
 _MAX_NAME: Final = 128  # the control protocol's limit (JobSpec.name)
 
 
@@ -78,6 +101,8 @@ class JobFile:
     model_path: Path
     #: The initial model: a serialized ``Dxo`` of kind WEIGHTS (deterministic, so re-uploads dedupe).
     model_bytes: bytes = field(repr=False)
+    #: The ``[simulation]`` section (defaults when the file has none).
+    simulation: SimulationSection = field(default_factory=lambda: SimulationSection())
 
     def spec(self, model_sha256: str, model_size: int) -> cpb.JobSpec:
         """The wire job spec, with the uploaded model's reference."""
@@ -88,8 +113,47 @@ class JobFile:
         return spec
 
 
-def load_job_file(path: Path) -> JobFile:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimulationSection:
+    """A job file's ``[simulation]`` section: what ``fedlink simulate`` gives its virtual devices."""
+
+    #: How many virtual devices (the default of ``--devices``); None if the file does not say.
+    devices: int | None = None
+    #: The ``.npz`` file every virtual device gets its partition of (resolved against the job file).
+    data: Path | None = None
+    #: How the data is split, as ``fedlink runner``'s settings of the same names split it.
+    partition: PartitionMethod = "iid"
+    partition_alpha: float = 0.5
+    partition_seed: int = 0
+
+    def device_data(self, data: Path | None = None) -> DeviceData | None:
+        """The devices' data: ``data`` (e.g. ``--data``) or the section's file, split as the section
+        says; None without either.
+
+        Raises:
+            InvalidArgument: The file does not exist (the message names it).
+        """
+        path = data if data is not None else self.data
+        if path is None:
+            return None
+        if not path.is_file():
+            said = "--data" if data is not None else f"{SIMULATION_SECTION}.data"
+            raise InvalidArgument(f"{said}: data file {path} does not exist")
+        return DeviceData(
+            path=path,
+            partition=self.partition,
+            alpha=self.partition_alpha,
+            seed=self.partition_seed,
+        )
+
+
+def load_job_file(path: Path, *, check_components: bool = True) -> JobFile:
     """Reads and checks a job file and loads its model.
+
+    Args:
+        path: The ``.toml`` or ``.json`` file.
+        check_components: Check ``job_data``'s component types as the coordinator will (off for a
+            simulation whose app registers types of its own: it checks them knowing those).
 
     Raises:
         InvalidArgument: the file or its model is missing or malformed; the message names the key.
@@ -115,7 +179,12 @@ def load_job_file(path: Path) -> JobFile:
         model_path = path.parent / model_path  # relative to the job file, so it works from anywhere
     selector = _selector(document.get("device_selector", {}), where)
     workflow = _workflow(document, where)
-    job_data = _job_data(document.get("job_data", {}), where)
+    # Absolute: job_data goes to devices, which open files from wherever they run.
+    base = path.resolve().parent
+    job_data = _job_data(
+        document.get("job_data", {}), where, base=base, workflow=workflow, check=check_components
+    )
+    simulation = _simulation(document.get(SIMULATION_SECTION, {}), where, base=base)
     return JobFile(
         path=path,
         name=name.strip(),
@@ -124,6 +193,7 @@ def load_job_file(path: Path) -> JobFile:
         device_selector=selector,
         model_path=model_path,
         model_bytes=_model_bytes(model_path, where),
+        simulation=simulation,
     )
 
 
@@ -170,14 +240,68 @@ def _selector(value: object, where: str) -> dict[str, str]:
     return dict(value)
 
 
-def _job_data(value: object, where: str) -> str:
+def _job_data(value: object, where: str, *, base: Path, workflow: WorkflowSpec, check: bool) -> str:
     if not isinstance(value, dict):
         raise InvalidArgument(f"{where}: job_data must be a table (the runner config)")
     try:
-        return json.dumps(value, sort_keys=True, allow_nan=False)
+        text = json.dumps(value, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError) as exc:
         # TOML dates and times, or NaN/infinity, have no JSON form.
         raise InvalidArgument(f"{where}: job_data cannot be sent as JSON: {exc}") from None
+    if not value:
+        return text
+    document, resolved = resolve_paths(value, base)
+    for key, file in resolved:
+        if not file.exists():
+            raise InvalidArgument(
+                f"{where}: job_data {key}: file {file} does not exist (a relative path is relative "
+                "to the job file)"
+            )
+    if check:
+        try:
+            # The type names are the coordinator's to check: only it knows its component_types.
+            check_job_data(
+                document,
+                task_names=registry.task_names(workflow),
+                known_types=("*",),
+                workflow=f"the {workflow.name} workflow",
+            )
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{where}: {exc.message}") from None
+    return json.dumps(document, sort_keys=True, allow_nan=False)
+
+
+def _simulation(value: object, where: str, *, base: Path) -> SimulationSection:
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{where}: {SIMULATION_SECTION} must be a table ([{SIMULATION_SECTION}])")
+    unknown = sorted(set(value) - set(_SIMULATION_KEYS))
+    if unknown:
+        raise InvalidArgument(
+            f"{where}: unknown key(s) in {SIMULATION_SECTION}: {', '.join(unknown)}; allowed: "
+            f"{', '.join(_SIMULATION_KEYS)}"
+        )
+    at = f"{where}: {SIMULATION_SECTION}"
+    devices = value.get("devices")
+    if devices is not None and (isinstance(devices, bool) or not isinstance(devices, int) or devices < 1):
+        raise InvalidArgument(f"{at}.devices must be an integer >= 1, not {devices!r}")
+    data = value.get("data")
+    if data is not None and (not isinstance(data, str) or not data):
+        raise InvalidArgument(f"{at}.data must be the path of an .npz file")
+    partition = value.get("partition", "iid")
+    if partition not in ("iid", "dirichlet"):
+        raise InvalidArgument(f"{at}.partition must be iid or dirichlet, not {partition!r}")
+    section = SimulationSection(
+        devices=devices,
+        data=None if data is None else base / Path(data).expanduser(),
+        partition="dirichlet" if partition == "dirichlet" else "iid",
+        partition_alpha=value.get("partition_alpha", 0.5),
+        partition_seed=value.get("partition_seed", 0),
+    )
+    try:  # the same checks as the devices' data will get
+        DeviceData(path=Path(), alpha=section.partition_alpha, seed=section.partition_seed)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{at}: {exc.message}") from None
+    return section
 
 
 # ---- the workflow section ---------------------------------------------------------------------------
@@ -292,4 +416,4 @@ def _load_safetensors(path: Path, prefix: str) -> dict[str, npt.NDArray[Any]]:
     return loaded
 
 
-__all__ = ["JobFile", "load_job_file", "load_model_arrays"]
+__all__ = ["JobFile", "SimulationSection", "load_job_file", "load_model_arrays"]

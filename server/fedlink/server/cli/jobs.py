@@ -216,7 +216,8 @@ def _show_job(job: cpb.Job) -> None:
         ("job", job.job_id),
         ("name", job.spec.name),
         ("state", d["state"]),
-        ("round", _round_text(job, int(str(d["num_rounds"])))),
+        # FedBuff has model versions, not rounds (a checkpoint per version all the same).
+        ("version" if d["workflow"] == "fedbuff" else "round", _round_text(job, int(str(d["num_rounds"])))),
         ("workflow", f"{d['workflow']} ({summary})" if summary else str(d["workflow"])),
         ("message", job.message),
         ("created", d["create_time"]),
@@ -264,6 +265,13 @@ def event_dict(event: cpb.WatchJobResponse) -> dict[str, object]:
     elif kind == "round_closed":
         body["num_results"] = event.round_closed.num_results
         body["metrics"] = dict(sorted(event.round_closed.metrics.items()))
+    elif kind == "model_version":
+        version = event.model_version
+        body["num_updates"] = version.num_updates
+        body["staleness"] = {str(k): n for k, n in enumerate(version.staleness_counts) if n}
+        body["metrics"] = dict(sorted(version.metrics.items()))
+        body["selection"] = version.selection
+        body["failed"], body["lost"], body["stale"] = version.num_failed, version.num_lost, version.num_stale
     elif kind == "job_state_changed":
         body["message"] = event.job_state_changed.message
     return body
@@ -284,6 +292,14 @@ def event_line(event: cpb.WatchJobResponse) -> str:
     elif kind == "round_closed":
         metrics = _pairs(dict(sorted(event.round_closed.metrics.items())))
         text = f"round {event.round} closed: {d['num_results']} results" + (f"; {metrics}" if metrics else "")
+    elif kind == "model_version":
+        version = event.model_version
+        stale = " ".join(f"{k}:{n}" for k, n in enumerate(version.staleness_counts) if n)
+        metrics = _pairs({k: v for k, v in sorted(version.metrics.items()) if k != "num_updates"})
+        text = (
+            f"model version {event.round}: {version.num_updates} updates (staleness {stale or '-'}), "
+            f"selection {version.selection}" + (f"; {metrics}" if metrics else "")
+        )
     elif kind == "job_state_changed":
         text = f"job {d['state']}" + (f": {d['message']}" if d["message"] else "")
     else:

@@ -137,11 +137,18 @@ def _loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     return factory
 
 
-def _announce(settings: CoordinatorSettings, address: str, ca_cert: Path | None) -> None:
+def _announce(
+    settings: CoordinatorSettings, address: str, ca_cert: Path | None, tls_names: tuple[str, ...] = ()
+) -> None:
     mode = "plaintext, no TLS (--insecure)" if settings.insecure else "TLS"
     lines = [f"fedlink coordinator listening on {address} ({mode})"]
     if ca_cert is not None:
         lines.append(f"  CA certificate for runners to trust: {ca_cert}")
+    if tls_names:
+        lines.append(
+            f"  its certificate covers: {', '.join(tls_names)} (others: --tls-hostnames; your own "
+            "certificate: --tls-cert/--tls-key)"
+        )
     if settings.admin_token:
         lines.append("  admin token: as configured (admin_token setting)")
     elif settings.generates_admin_token:
@@ -207,7 +214,9 @@ async def run_coordinator(settings: CoordinatorSettings) -> None:
         await coordinator.stop(grace=0)
         raise _start_failure(settings, exc) from None
     assert coordinator.endpoint is not None  # set by start()
-    _announce(settings, coordinator.endpoint.address, coordinator.endpoint.ca_cert)
+    _announce(
+        settings, coordinator.endpoint.address, coordinator.endpoint.ca_cert, coordinator.endpoint.tls_names
+    )
     with GC_CONTROL.quiet():
         GC_CONTROL.settle()  # what serving needs is loaded now: later collections skip it
         await _serve_until_stopped(settings, coordinator)
@@ -272,8 +281,8 @@ serve_command = click.Command(
         "one exits 1 naming the first). Give secrets as files (--join-secret-file, --admin-token-file): "
         "the values of --join-secret and --admin-token are visible to every local user in the process "
         "list. SIGTERM or SIGINT stops it gracefully (exit 0). If a background loop (the job supervisor, "
-        "maintenance, metrics) keeps failing past loop_failure_timeout, health turns NOT_SERVING and it "
-        "stops with exit 3."
+        "maintenance, collection, metrics) keeps failing past loop_failure_timeout, health turns NOT_SERVING "
+        "and it stops with exit 3."
     ),
     short_help="Run the coordinator.",
     context_settings={"max_content_width": 110},

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import numpy as np
 
 from fedlink.common.errors import FedlinkError
 from fedlink.server.cli.client import fail
+from fedlink.server.cli.jobfile import SimulationSection
+
+if TYPE_CHECKING:
+    from fedlink.simulation import SimulationJob
 
 
 def _backend_config(text: str | None) -> dict[str, Any] | None:
@@ -54,9 +60,50 @@ def plot_metrics(metrics: dict[str, list[float]], path: Path) -> None:
     plt.close(figure)
 
 
+def _with_data_flags(
+    job: SimulationJob,
+    *,
+    data: Path | None,
+    partition: str | None,
+    partition_alpha: float | None,
+    partition_seed: int | None,
+) -> SimulationJob:
+    """``job`` with its ``[simulation]`` data and split replaced by the flags that were given."""
+    section = job.simulation or SimulationSection()
+    if data is not None:
+        if not data.is_file():
+            fail(f"--data: data file {data} does not exist")
+        section = dataclasses.replace(section, data=data.resolve())
+    if partition is not None:
+        section = dataclasses.replace(section, partition="dirichlet" if partition == "dirichlet" else "iid")
+    if partition_alpha is not None:
+        section = dataclasses.replace(section, partition_alpha=partition_alpha)
+    if partition_seed is not None:
+        section = dataclasses.replace(section, partition_seed=partition_seed)
+    return dataclasses.replace(job, simulation=section)
+
+
 @click.command("simulate")
 @click.argument("job_file", type=click.Path(path_type=Path, dir_okay=False))
-@click.option("--devices", "-n", type=click.IntRange(min=1), required=True, help="Virtual devices to run.")
+@click.option(
+    "--devices",
+    "-n",
+    type=click.IntRange(min=1),
+    help="Virtual devices to run (default: the job file's [simulation] devices).",
+)
+@click.option(
+    "--data",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="An .npz file (x_train/y_train...) every device gets its partition of, as fedlink runner "
+    "--data --partition-id I --num-partitions N does (replaces [simulation] data).",
+)
+@click.option(
+    "--partition",
+    type=click.Choice(["iid", "dirichlet"]),
+    help="How --data is split ([simulation] partition).",
+)
+@click.option("--partition-alpha", type=float, help="Dirichlet concentration (smaller: more skew).")
+@click.option("--partition-seed", type=int, help="Seed of the split.")
 @click.option(
     "--backend",
     type=click.Choice(["local", "ray"]),
@@ -94,7 +141,11 @@ def plot_metrics(metrics: dict[str, list[float]], path: Path) -> None:
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a live progress line.")
 def simulate_command(
     job_file: Path,
-    devices: int,
+    devices: int | None,
+    data: Path | None,
+    partition: str | None,
+    partition_alpha: float | None,
+    partition_seed: int | None,
     backend: str,
     transport: str,
     backend_config: str | None,
@@ -109,25 +160,45 @@ def simulate_command(
     """Run JOB_FILE (the format of ``fedlink job submit``) on N virtual devices, with the real
     coordinator and runner code in this process, and print a summary.
 
-    Virtual device i sees partition i of N (see PartitionedDataSource in the job's job_data).
+    Virtual device i gets partition i of N of --data (or the job file's [simulation] data), split
+    as [simulation] says and as `fedlink runner` splits it. The job's component types may be the
+    user's own (pkg.module:Name), imported from the installed packages or from modules beside the
+    job file: a simulation runs the user's own code, so every module is allowed.
     """
-    from fedlink.simulation import SimulationError, run_simulation
+    from fedlink.simulation import SimulationError, SimulationJob, run_simulation
 
     if plot is not None:
         _check_plotting()
     try:
-        result = run_simulation(
-            job_file,
-            devices,
-            backend=backend,
-            transport=transport,
-            backend_config=_backend_config(backend_config),
-            seed=seed,
-            store=store if store is not None else ":memory:",
-            progress=progress,
-            metrics_jsonl=jsonl,
-            timeout=timeout,
+        job = _with_data_flags(
+            SimulationJob.from_file(job_file),
+            data=data,
+            partition=partition,
+            partition_alpha=partition_alpha,
+            partition_seed=partition_seed,
         )
+        if devices is None:
+            devices = job.simulation.devices if job.simulation is not None else None
+        if devices is None:
+            fail(f"how many devices? give --devices N, or devices = N in {job_file}'s [simulation] section")
+        # After the installed packages: a module beside the job file does not shadow one of theirs.
+        beside = str(job_file.resolve().parent)
+        sys.path.append(beside)
+        try:
+            result = run_simulation(
+                job,
+                devices,
+                backend=backend,
+                transport=transport,
+                backend_config=_backend_config(backend_config),
+                seed=seed,
+                store=store if store is not None else ":memory:",
+                progress=progress,
+                metrics_jsonl=jsonl,
+                timeout=timeout,
+            )
+        finally:
+            sys.path.remove(beside)
     except SimulationError as exc:
         cause = f" (caused by {type(exc.__cause__).__name__}: {exc.__cause__})" if exc.__cause__ else ""
         fail(f"simulation failed: {exc}{cause}")

@@ -26,3 +26,7 @@ class WorkflowCatalog(Protocol):
     def num_steps(self, spec: WorkflowSpec) -> int:
         """How many rounds (or model versions) a job of this spec runs to; 0 if it does not say."""
         ...
+
+    def task_names(self, spec: WorkflowSpec) -> tuple[str, ...] | None:
+        """The tasks a job of this spec sends (each needs an executor); None if it does not say."""
+        ...

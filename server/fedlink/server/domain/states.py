@@ -47,11 +47,16 @@ class AssignmentState(enum.StrEnum):
 
 
 class DeviceState(enum.StrEnum):
-    """The state of an enrolled device: ONLINE <-> OFFLINE, either -> REVOKED (final)."""
+    """The state of an enrolled device: ONLINE <-> OFFLINE, either -> REVOKED (final).
+
+    A coordinator that requires approval enrols devices PENDING; an operator's approval makes them
+    ONLINE (or a revocation REVOKED).
+    """
 
     ONLINE = "ONLINE"
     OFFLINE = "OFFLINE"
     REVOKED = "REVOKED"
+    PENDING = "PENDING"
 
 
 class ResultStatus(enum.StrEnum):
@@ -101,6 +106,7 @@ DEVICE_TRANSITIONS: Mapping[DeviceState, frozenset[DeviceState]] = {
     DeviceState.ONLINE: frozenset({DeviceState.OFFLINE, DeviceState.REVOKED}),
     DeviceState.OFFLINE: frozenset({DeviceState.ONLINE, DeviceState.REVOKED}),
     DeviceState.REVOKED: frozenset(),
+    DeviceState.PENDING: frozenset({DeviceState.ONLINE, DeviceState.REVOKED}),
 }
 
 # Assignment states that hold one of the task's slots: a FAILED, EXPIRED or RELEASED assignment frees it.

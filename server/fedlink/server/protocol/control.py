@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from fedlink.common.dxo import DataKind
 from fedlink.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from fedlink.common.json_limits import load_json
+from fedlink.runner.validation import check_job_data as check_components
 from fedlink.server.coordination.model_outlines import ModelOutlines
 from fedlink.server.coordination.notify import TaskNotifier
 from fedlink.server.coordination.workflow_catalog import WorkflowCatalog
@@ -100,8 +101,11 @@ class ControlProtocol:
         max_model_bytes: int,
         workflows: WorkflowCatalog,
         outlines: ModelOutlines | None = None,
+        component_types: tuple[str, ...] = (),
     ) -> None:
         self._store = store
+        #: Type names the devices' apps register, accepted in job_data besides built-ins and import paths.
+        self._component_types = component_types
         self._workflows = workflows
         self._outlines = outlines or ModelOutlines(store.blobs)
         self._events = events
@@ -129,6 +133,16 @@ class ControlProtocol:
                 f"has {model_bytes} bytes"
             )
         workflow = self._workflows.check(submission.workflow, model_bytes=model_bytes)
+        if submission.job_data and submission.job_data.strip() != "{}":
+            # Empty job_data leaves the runner configuration to the devices' apps (or other clients).
+            check_components(
+                submission.job_data,
+                task_names=self._workflows.task_names(workflow),
+                known_types=self._component_types,
+                workflow=f"the {workflow.name} workflow",
+                known_types_hint="or a name the devices' apps register, listed in the coordinator's "
+                "component_types setting",
+            )
         job = await self._store.create_job(
             NewJob(
                 name=name,
@@ -237,6 +251,11 @@ class ControlProtocol:
     ) -> Page[Device]:
         """Lists enrolled devices."""
         return await self._store.list_devices(page_size=page_size or 50, page_token=page_token, state=state)
+
+    async def approve_device(self, device_id: str) -> Device:
+        """Approves a device awaiting approval (it may take part from now on); an approved one is
+        returned as it is, a revoked one is an IllegalTransition."""
+        return await self._store.approve_device(device_id)
 
     async def revoke_device(self, device_id: str) -> Device:
         """Revokes a device's credential for good."""

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import hmac
 import json
+import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from fedlink.common.dxo import DXO
-from fedlink.common.dxo_outline import DeclaredDxo
 from fedlink.common.errors import (
     Conflict,
     FailedPrecondition,
@@ -25,18 +24,17 @@ from fedlink.common.errors import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
-    Unauthenticated,
 )
 from fedlink.common.status import DeviceStatus
 from fedlink.common.version import PROTOCOL_VERSION
 from fedlink.server.coordination.known_tasks import KnownTasks, remember
 from fedlink.server.coordination.notify import TaskNotifier
 from fedlink.server.coordination.shared_reads import SharedReads
-from fedlink.server.credentials import hash_credential
 from fedlink.server.domain import (
     Assignment,
     Clock,
     Device,
+    DeviceState,
     Job,
     JobState,
     LeaseLost,
@@ -49,10 +47,14 @@ from fedlink.server.domain import (
 from fedlink.server.protocol.authentication import DeviceAuthenticator
 from fedlink.server.protocol.batching import Batcher
 from fedlink.server.protocol.cookies import Cookie, CookieSigner
+from fedlink.server.protocol.decoding import ResultDecoder
+from fedlink.server.protocol.enrolment import Enrolment, EnrolmentPolicy, Enrolments, EnrolRequest
 from fedlink.server.protocol.possession import require_held
 from fedlink.server.protocol.reads import JobReads
 from fedlink.server.protocol.results import ResultValidator
 from fedlink.server.store import ClaimRequest, RecordOutcome, ResultReport, StateStore
+
+log = logging.getLogger(__name__)
 
 #: Task payloads kept in memory (a few global models: the current round's and the last ones).
 _PAYLOAD_CACHE = 4
@@ -92,20 +94,12 @@ class DeviceProtocolConfig:
     inline_payload_bytes: int = 2 * 1024 * 1024
     #: Largest result a device may report (inline or as a blob).
     max_result_bytes: int = 2 * 1024**3
-    #: The join secret enrolment needs; None means open enrolment.
-    join_secret: str | None = None
+    #: Who may enrol, how many and how fast (the join secret among them).
+    enrolment: EnrolmentPolicy = field(default_factory=EnrolmentPolicy)
     #: Whether to store the payload of a result the run's driver holds to fold in-process (see
     #: :mod:`fedlink.server.workflows.folding`). Only a store thrown away after the run (the
     #: simulation's) may say False: the result row then keeps its metadata only.
     keep_folded_payloads: bool = True
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Enrolment:
-    """A device's identity and credential (the credential is only ever shown here)."""
-
-    device_id: str
-    credential: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -166,6 +160,15 @@ class ReportReply:
     status: DeviceStatus
     cookie: bytes = b""
     message: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SignOffReply:
+    """SignOff's reply."""
+
+    status: DeviceStatus
+    #: How many assignments the device still held and gave back.
+    released: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -243,6 +246,8 @@ class DeviceProtocol:
         self._enrolment_key = enrolment_key
         self._notifier = notifier
         self._validator = validator
+        # Parses, checks and decodes result payloads: in a worker thread when large (see decoding.py).
+        self._decoder = ResultDecoder()
         self._clock = clock
         self._config = config
         self._listener = listener or ResultListener()
@@ -257,6 +262,11 @@ class DeviceProtocol:
             self._claimable_batch, max_batch=_CLAIMABLE_BATCH, linger=_READ_LINGER_SECONDS
         )
         self._reads = JobReads(store)  # a round's devices read their job at once: one read serves them
+        self._enrolments = Enrolments(store, key=enrolment_key, clock=clock, policy=config.enrolment)
+        # What each device last asked GetJob for, as this coordinator recorded it: a device that keeps
+        # asking the same costs no write (see _record_poll).
+        self._polled: dict[str, str] = {}
+        self._polls: Batcher[tuple[str, str], None] = Batcher(self._poll_batch, max_batch=_WRITE_BATCH)
         self._authenticator = DeviceAuthenticator(store)  # one credential read per batch of calls
         self._reports: Batcher[_StagedReport, RecordOutcome] = Batcher(
             self._report_batch, max_batch=_WRITE_BATCH
@@ -278,6 +288,10 @@ class DeviceProtocol:
         self._accepting = False
         self._notifier.notify_all()
 
+    def close(self) -> None:
+        """Stops the worker thread that decodes large results (once no call is served any more)."""
+        self._decoder.close()
+
     def note_seen(self, device_id: str) -> None:
         """Records that a device called (written to the store in batches by the maintenance loop)."""
         self._seen.add(device_id)
@@ -297,32 +311,19 @@ class DeviceProtocol:
         protocol_version: str,
         request_id: str,
     ) -> Enrolment:
-        """Enrols a device. The same ``request_id`` gives the same device and credential again.
-
-        The credential is derived from the request id with a coordinator secret, so a retried
-        enrolment can be answered without ever storing the credential itself.
-        """
+        """Enrols a device (see :mod:`fedlink.server.protocol.enrolment` for the rules): the same
+        ``request_id`` gives the same device and credential again, shortly after and for the same
+        request only."""
         check_protocol_version(protocol_version)
-        expected = self._config.join_secret
-        if expected is not None and not hmac.compare_digest(join_secret.encode(), expected.encode()):
-            raise Unauthenticated("enrolment needs the coordinator's join secret")
-        if len(request_id) < 16:
-            raise InvalidArgument("request_id must be a random id of at least 16 characters (a UUID)")
-        digest = hmac.new(self._enrolment_key, request_id.encode(), hashlib.sha256).hexdigest()
-        device_id, credential = (
-            "dev-" + digest[:24],
-            digest[24:] + hashlib.sha256(digest.encode()).hexdigest(),
+        return await self._enrolments.enroll(
+            EnrolRequest(
+                join_secret=join_secret,
+                device_info=device_info,
+                user_info=user_info,
+                protocol_version=protocol_version,
+                request_id=request_id,
+            )
         )
-        credential_hash = hash_credential(credential)
-        try:
-            await self._store.enroll_device(device_info, user_info, credential_hash, device_id=device_id)
-        except Exception:
-            # A retry of a completed enrolment: answer it again if the stored credential matches.
-            device = await self._store.get_device(device_id)
-            authenticated = await self._store.authenticate_device(credential_hash)
-            if authenticated.device_id != device.device_id:  # pragma: no cover - hash collision
-                raise
-        return Enrolment(device_id=device_id, credential=credential)
 
     async def authenticate(self, credential: str | None) -> Device:
         """Returns the device a credential belongs to; Unauthenticated if none, unknown or revoked."""
@@ -334,12 +335,29 @@ class DeviceProtocol:
     async def get_job(
         self, device: Device, *, job_name: str, device_info: Mapping[str, str], protocol_version: str
     ) -> JobReply:
-        """Offers the oldest pending or running job the device may take part in."""
+        """Offers the oldest pending or running job the device may take part in.
+
+        Selectors match the ``device_info`` recorded at enrolment: the one a request carries is the
+        device's own claim (for logs), and would let it claim its way into any job. The job name asked
+        for is recorded (the device is sampled only for jobs of that name, or any if it is empty).
+        """
         check_protocol_version(protocol_version)
-        info = device_info or device.device_info
+        await self._record_poll(device.device_id, job_name)
+        if device.state is DeviceState.PENDING:
+            return JobReply(
+                status=DeviceStatus.RETRY,
+                retry_after=self._config.job_retry_after,
+                message=(
+                    f"device {device.device_id} awaits an operator's approval "
+                    f"(fedlink device approve {device.device_id})"
+                ),
+            )
+        info = device.device_info
+        # PENDING is read before RUNNING: a job that starts between the two reads is then in one of them
+        # (read the other way round, it was in neither, and the device was told there was no job).
         candidates = [
             job
-            for state in (JobState.RUNNING, JobState.PENDING)
+            for state in (JobState.PENDING, JobState.RUNNING)
             for job in await self._jobs_in(state)
             if (not job_name or job.name == job_name) and selector_matches(job.device_selector, info)
         ]
@@ -353,6 +371,38 @@ class DeviceProtocol:
             retry_after=self._config.job_retry_after,
             message="no job for this device now",
         )
+
+    async def _record_poll(self, device_id: str, job_name: str) -> None:
+        """Records what the device asks for before answering, so that a round started right after sees
+        it; written only when it changed (every idle device asks every few seconds)."""
+        if self._polled.get(device_id) == job_name:
+            return
+        await self._polls.submit((device_id, job_name))
+        remember(self._polled, device_id, job_name, _ASSIGNMENT_CACHE)
+
+    async def _poll_batch(self, polls: Sequence[tuple[str, str]]) -> list[BaseException | None]:
+        await self._store.record_polls(polls, self._clock.now())
+        return [None] * len(polls)
+
+    async def sign_off(self, device: Device, *, reason: str) -> SignOffReply:
+        """The device stops taking part: it is not sampled until it calls again, and the assignments it
+        still holds are released (their rounds learn at once)."""
+        now = self._clock.now()
+        # A call of this device noted before now must not bring it back (see touch_devices), nor may
+        # this coordinator's memory of its last GetJob spare the write when it asks again.
+        self._seen.discard(device.device_id)
+        self._polled.pop(device.device_id, None)
+        released = await self._store.sign_off_device(device.device_id, now)
+        for assignment in released:
+            remember(self._closed, assignment.assignment_id, None, _ASSIGNMENT_CACHE)
+            self._listener.result_recorded(assignment.job_id, await self._task(assignment.task_id))
+        for job_id in {a.job_id for a in released}:
+            self._notifier.notify(job_id)
+        log.info(
+            "device signed off",
+            extra={"device_id": device.device_id, "reason": reason[:200], "released": len(released)},
+        )
+        return SignOffReply(status=DeviceStatus.OK, released=len(released))
 
     async def _jobs_in(self, state: JobState) -> list[Job]:
         # Only live jobs are read: a coordinator's history of finished jobs does not slow GetJob.
@@ -498,17 +548,20 @@ class DeviceProtocol:
         if report.status is ResultStatus.SUCCEEDED and report.inline is None and report.blob_sha256:
             await require_held(self._store, device.device_id, report.blob_sha256)  # proof of possession
         update: DXO | None = None
-        undecoded: str | None = None  # the sha256 of a payload not decoded (its assignment is not open)
+        canonical: bytes | None = None  # the decoded inline payload, serialized deterministically
+        sent: str | None = None  # the sha256 of a wire report's payload as sent (or its blob's)
         try:
             data, size = await self._result_data(report)
             if report.status is ResultStatus.SUCCEEDED and report.decoded is not None:
                 # An in-process caller's DXO is decoded already: there is nothing to spare it.
                 update = report.decoded
-                await self._validator.validate(task, update)
+                (await self._validator.checks(task)).validate(update)
             elif report.status is ResultStatus.SUCCEEDED:
-                update = await self._decoded_update(assignment, task, report, data, size)
-                if update is None:
-                    undecoded = hashlib.sha256(data).hexdigest() if data is not None else report.blob_sha256
+                sent = hashlib.sha256(data).hexdigest() if data is not None else report.blob_sha256
+                decoded = await self._decoded_update(assignment, task, report, data, size)
+                if decoded is not None:
+                    update, canonical = decoded
+            del data
         except InvalidArgument:
             self._on_outcome("rejected")
             raise
@@ -521,12 +574,13 @@ class DeviceProtocol:
         )
         payload_sha, inline = None, None
         if update is not None and (self._config.keep_folded_payloads or not held):
-            payload_sha, inline = self._payload_to_store(report, update)
-        # Identifies the report's content, so a retry without its request_id is still "the same". A
-        # payload that is not stored is identified by the report's request id.
+            payload_sha, inline = self._payload_to_store(report, update, canonical)
+        # Identifies the report's content, so a retry without its request_id is still "the same": a wire
+        # report by its payload as sent, whether it was decoded (its assignment open) or not. An
+        # in-process payload that is not stored is identified by the report's request id.
         content = payload_sha if payload_sha is not None or update is None else f"request:{report.request_id}"
-        if undecoded is not None:
-            content = undecoded
+        if sent is not None:
+            content = sent
         digest = hashlib.sha256(
             json.dumps([report.status.value, content, report.error_message]).encode()
         ).hexdigest()
@@ -595,10 +649,11 @@ class DeviceProtocol:
 
     async def _decoded_update(
         self, assignment: Assignment, task: Task, report: ResultInput, data: bytes | None, size: int
-    ) -> DXO | None:
-        """The update a SUCCEEDED report's payload decodes to, checked against the task's model: what
-        it declares before anything is decoded, then its values. None if its assignment is closed:
-        known here, or (for a large payload) read from the store before it is parsed or decoded."""
+    ) -> tuple[DXO, bytes] | None:
+        """The update a SUCCEEDED report's payload decodes to, checked against the task's model (what
+        it declares before anything is decoded, then its values), and its canonical bytes. None if its
+        assignment is closed: known here, or (for a large payload) read from the store before it is
+        parsed or decoded. A large or many-tensor payload is handled off the event loop."""
         if assignment.assignment_id in self._closed or task.deadline <= self._clock.now():
             return None
         asked = size >= _ASK_BEFORE_DECODING_BYTES
@@ -606,33 +661,33 @@ class DeviceProtocol:
             return None
         if data is None:
             data = await self._store.blobs.read(report.blob_sha256 or "")
-        declared = DeclaredDxo.parse(data)
-        await self._validator.check_declared(task, declared)
-        # Bounded by the task's model already, unless the task has none.
-        limit = self._config.max_result_bytes
-        decoded = declared.decoded_nbytes()
-        if decoded > limit:
-            raise ResourceExhausted(f"the result would decode to {decoded} bytes, over the limit of {limit}")
+        checks = await self._validator.checks(task)
+        # The decoded size is bounded by the task's model already, unless the task has none.
+        declared = await self._decoder.declare(data, checks, self._config.max_result_bytes)
+        del data
         if (
             not asked
-            and decoded >= _ASK_BEFORE_DECODING_BYTES
+            and declared.decoded_nbytes >= _ASK_BEFORE_DECODING_BYTES
             and not await self._open.submit(assignment.assignment_id)
         ):
             return None
-        update = declared.decode()
-        await self._validator.validate(task, update)
-        return update
+        return await self._decoder.decode(declared, checks)
 
     async def _open_batch(self, assignment_ids: Sequence[str]) -> list[bool | BaseException]:
         found = await self._store.open_assignments(assignment_ids, self._clock.now())
         return [a in found for a in assignment_ids]
 
     @staticmethod
-    def _payload_to_store(report: ResultInput, update: DXO) -> tuple[str, bytes | None]:
+    def _payload_to_store(
+        report: ResultInput, update: DXO, canonical: bytes | None
+    ) -> tuple[str, bytes | None]:
         """The stored payload's sha256 and, unless it is an uploaded blob, the bytes to store with the
-        report's batch (one transaction for a batch's payloads)."""
+        report's batch (one transaction for a batch's payloads): an inline payload as ``canonical``
+        (serialized deterministically when decoded), else as the in-process caller gave it."""
         if report.blob_sha256 and report.inline is None and report.decoded is None:
             return report.blob_sha256, None
+        if canonical is not None and report.decoded is None:
+            return hashlib.sha256(canonical).hexdigest(), canonical
         data = report.inline if report.inline is not None else update.to_bytes()
         return hashlib.sha256(data).hexdigest(), data
 

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 from fedlink.common.errors import PermissionDenied, Unavailable
 from fedlink.server.protocol.transfers import check_sha256, receive_upload
-from fedlink.server.store import BlobRef, StateStore
+from fedlink.server.store import BlobRef, StateStore, UploadQuota
 
 
 async def upload_status(store: StateStore, device_id: str, sha256: str) -> tuple[int, bool]:
@@ -37,13 +37,16 @@ async def receive_device_upload(
     offset: int,
     chunks: AsyncIterator[bytes],
     max_bytes: int,
+    quota: UploadQuota | None = None,
 ) -> BlobRef:
-    """Stores a device's upload (its own, resumable, sha256-checked) and grants it the blob."""
+    """Stores a device's upload (its own, resumable, sha256-checked, within its ``quota``) and grants
+    it the blob."""
     held_before = False
 
     async def held(sha: str) -> bool:
         nonlocal held_before
-        held_before = await store.device_holds_blob(device_id, sha)
+        # A blob the device holds counts as stored now: it is about to report it.
+        held_before = await store.device_holds_blob(device_id, sha) and await store.blobs.touch(sha)
         return held_before
 
     ref = await receive_upload(
@@ -55,6 +58,7 @@ async def receive_device_upload(
         max_bytes=max_bytes,
         owner=device_id,
         held=held,
+        quota=quota,
     )
     if not held_before and not await store.grant_blob(ref.sha256, device_id):
         raise Unavailable(f"blob {ref.sha256} was collected as its upload ended: upload it again")

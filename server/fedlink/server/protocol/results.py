@@ -17,7 +17,7 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import Final, Protocol
 
-from fedlink.common.dxo import DXO, DataKind, weight_of
+from fedlink.common.dxo import DXO, MAX_TENSORS, DataKind, weight_of
 from fedlink.common.dxo_outline import DeclaredDxo, TensorOutline
 from fedlink.common.errors import InvalidArgument
 from fedlink.server.coordination.model_outlines import ModelOutlines
@@ -32,15 +32,31 @@ METRICS_BYTES: Final[int] = 1024 * 1024
 _UPDATE_KINDS: Final = (DataKind.WEIGHTS, DataKind.WEIGHT_DIFF)
 
 
+class ResultChecks(Protocol):
+    """The checks of results answering one task, with what they need of its model at hand.
+
+    Synchronous and safe to call from a worker thread: the device protocol runs them off the event loop
+    for large or many-tensor results (:mod:`fedlink.server.protocol.decoding`).
+    """
+
+    def tensor_bound(self) -> tuple[int, str]:
+        """How many tensors an answer may carry at most, and why (for the refusal's message)."""
+        ...
+
+    def check_declared(self, result: DeclaredDxo) -> None:
+        """Raises InvalidArgument if what ``result`` declares cannot answer the task (before decoding)."""
+        ...
+
+    def validate(self, result: DXO) -> None:
+        """Raises InvalidArgument if ``result`` is not an acceptable answer to the task."""
+        ...
+
+
 class ResultValidator(Protocol):
     """Checks a reported DXO against the task it answers."""
 
-    async def check_declared(self, task: Task, result: DeclaredDxo) -> None:
-        """Raises InvalidArgument if what ``result`` declares cannot answer ``task`` (before decoding)."""
-        ...
-
-    async def validate(self, task: Task, result: DXO) -> None:
-        """Raises InvalidArgument if ``result`` is not an acceptable answer to ``task``."""
+    async def checks(self, task: Task) -> ResultChecks:
+        """The checks of results answering ``task`` (reading what they need of its model first)."""
         ...
 
 
@@ -51,38 +67,66 @@ class ModelTaskValidator:
         # The task's model is only outlined (streamed, tensor data skipped), never loaded.
         self._outlines = outlines or ModelOutlines(blobs)
 
+    async def checks(self, task: Task) -> ResultChecks:
+        """The checks of ``task``'s results, against the spec of the model it carried (if any)."""
+        spec = None if task.payload_sha256 is None else await self._outlines.spec(task.payload_sha256)
+        return _TaskChecks(task, spec)
+
     async def check_declared(self, task: Task, result: DeclaredDxo) -> None:
-        """Raises InvalidArgument naming what is wrong with what ``result`` declares, reading no more of
-        it than the task's model has variables (plus one)."""
-        if task.name == EVALUATE_TASK:
-            _check_metrics_kind(result.kind)
-            await self._check_metrics_size(task, result)
-            return
-        _check_update_kind(task, result.kind)
-        if task.payload_sha256 is not None:
-            check_layout(_Layout(result.tensors), await self._outlines.spec(task.payload_sha256))
+        """:meth:`ResultChecks.check_declared` of ``task``'s checks."""
+        (await self.checks(task)).check_declared(result)
 
     async def validate(self, task: Task, result: DXO) -> None:
+        """:meth:`ResultChecks.validate` of ``task``'s checks."""
+        (await self.checks(task)).validate(result)
+
+
+class _TaskChecks:
+    """:class:`ResultChecks` of one task, given its model's spec (None: the task carried no model)."""
+
+    def __init__(self, task: Task, spec: Mapping[str, VariableSpec] | None) -> None:
+        self._task = task
+        self._spec = spec
+
+    def tensor_bound(self) -> tuple[int, str]:
+        """The model's variables for an update, :data:`MAX_METRICS_TENSORS` for an evaluation."""
+        if self._task.name == EVALUATE_TASK:
+            return MAX_METRICS_TENSORS, f"an evaluation result carries at most {MAX_METRICS_TENSORS}"
+        if self._spec is not None:
+            return len(self._spec), f"the model has {len(self._spec)} variables"
+        return MAX_TENSORS, f"the limit is {MAX_TENSORS} tensors in one DXO"
+
+    def check_declared(self, result: DeclaredDxo) -> None:
+        """Raises InvalidArgument naming what is wrong with what ``result`` declares, reading no more of
+        it than the task's model has variables (plus one)."""
+        if self._task.name == EVALUATE_TASK:
+            _check_metrics_kind(result.kind)
+            self._check_metrics_size(result)
+            return
+        _check_update_kind(self._task, result.kind)
+        if self._spec is not None:
+            check_layout(_Layout(result.tensors), self._spec)
+
+    def validate(self, result: DXO) -> None:
         """Raises InvalidArgument naming what is wrong with ``result``."""
         result.validate()
-        if task.name == EVALUATE_TASK:
+        if self._task.name == EVALUATE_TASK:
             check_metrics(result)
             return
-        _check_update_kind(task, result.kind)
-        if task.payload_sha256 is not None:
-            check_update(result.data, await self._outlines.spec(task.payload_sha256))
+        _check_update_kind(self._task, result.kind)
+        if self._spec is not None:
+            check_update(result.data, self._spec)
         weight_of(result)
 
-    async def _check_metrics_size(self, task: Task, result: DeclaredDxo) -> None:
+    def _check_metrics_size(self, result: DeclaredDxo) -> None:
         count = len(result.tensors)
         if count > MAX_METRICS_TENSORS:
             raise InvalidArgument(
                 f"the evaluation result carries {count} tensors, more than the limit of {MAX_METRICS_TENSORS}"
             )
         limit = METRICS_BYTES
-        if task.payload_sha256 is not None:
-            spec = await self._outlines.spec(task.payload_sha256)
-            limit = max(limit, sum(math.prod(v.shape) * v.dtype.itemsize for v in spec.values()))
+        if self._spec is not None:
+            limit = max(limit, sum(math.prod(v.shape) * v.dtype.itemsize for v in self._spec.values()))
         size = result.decoded_nbytes()
         if size > limit:
             raise InvalidArgument(

@@ -6,7 +6,7 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fedlink.common.errors import InvalidArgument, ResourceExhausted
-from fedlink.server.store import CHUNK_SIZE, BlobRef, BlobStore
+from fedlink.server.store import CHUNK_SIZE, BlobRef, BlobStore, UploadQuota
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 #: Largest chunk one stream message may carry.
@@ -30,6 +30,7 @@ async def receive_upload(
     max_bytes: int,
     owner: str | None = None,
     held: Callable[[str], Awaitable[bool]] | None = None,
+    quota: UploadQuota | None = None,
 ) -> BlobRef:
     """Stores the chunks of an upload from ``offset``; commits (sha256-checked) once all bytes are in.
 
@@ -38,18 +39,19 @@ async def receive_upload(
     FAILED_PRECONDITION from the store, with the offset to resume from.
 
     ``held`` tells whether the uploader holds the blob already (nothing to upload); by default,
-    whether it is stored. An ``owner``'s upload is its own (see :meth:`BlobStore.begin_upload`).
+    whether it is stored (it then counts as stored now: not collected before it is used). An
+    ``owner``'s upload is its own, within its ``quota`` (see :meth:`BlobStore.begin_upload`).
     """
     check_sha256(sha256)
     if size_bytes < 0:
         raise InvalidArgument("size_bytes must not be negative")
     if size_bytes > max_bytes:
         raise ResourceExhausted(f"the blob is {size_bytes} bytes, over the limit of {max_bytes}")
-    if await (blobs.exists if held is None else held)(sha256):
+    if await (blobs.touch if held is None else held)(sha256):
         async for _ in chunks:  # already stored: nothing to keep, but drain what the client sends
             pass
         return BlobRef(sha256=sha256, size_bytes=size_bytes)
-    received = await blobs.begin_upload(sha256, size_bytes, owner=owner)
+    received = await blobs.begin_upload(sha256, size_bytes, owner=owner, quota=quota)
     if offset != received:
         raise InvalidArgument(f"the upload must resume at offset {received}, not {offset}")
     async for chunk in chunks:

@@ -7,6 +7,11 @@ table costs a few seconds, not the loop. A loop whose steps have failed without 
 ``give_up_after`` is not recovering: it raises :class:`LoopGaveUp`, the task group cancels the other
 loops, and the owner is told (:meth:`BackgroundLoops.run` raises), so that the coordinator turns
 health NOT_SERVING and stops with a non-zero exit instead of answering RPCs while driving no job.
+
+A failure the policy says to ride out (``LoopPolicy.ride_out``: the store being unreachable) is waited
+out however long it lasts, retried with the same backoff (at most ``ride_out_every`` apart), and never
+counts towards giving up: the store's own availability turns health NOT_SERVING meanwhile, and the
+loop carries on once it is back.
 """
 
 from __future__ import annotations
@@ -45,6 +50,12 @@ class LoopPolicy:
     max_backoff: timedelta = timedelta(seconds=10)
     #: How long a loop may go on failing (no successful step) before it gives up.
     give_up_after: timedelta = timedelta(minutes=2)
+    #: Which failures are waited out without giving up, however long they last (an outage of the
+    #: store, which the coordinator's health reports meanwhile): none by default.
+    ride_out: Callable[[BaseException], bool] = field(default=lambda exc: False)
+    #: The longest wait between two tries while riding out a failure: each try fails at once while the
+    #: store is away, and the loop carries on within this of its return.
+    ride_out_every: timedelta = timedelta(seconds=1)
 
 
 @dataclass(slots=True)
@@ -66,6 +77,9 @@ class Loop:
                 try:
                     await self.step()
                 except Exception as exc:
+                    if policy.ride_out(exc):
+                        await self._wait_out(policy, exc)
+                        continue
                     now = clock()
                     failing_since = now if failing_since is None else failing_since
                     self.failures += 1
@@ -81,13 +95,28 @@ class Loop:
                     )
                     await asyncio.sleep(wait)
                     continue
-                if failing_since is not None:
+                if failing_since is not None or self.failures:
                     log.info("background loop %s recovered", self.name, extra={"loop": self.name})
                 failing_since, self.failures = None, 0
                 await self.pause()
         finally:
             if self.close is not None:
                 await self.close()
+
+    async def _wait_out(self, policy: LoopPolicy, exc: Exception) -> None:
+        """Backs off after a failure to ride out (logged without a traceback: it says nothing new)."""
+        self.failures += 1
+        wait = min(_backoff(policy, self.failures), policy.ride_out_every.total_seconds())
+        level = logging.WARNING if self.failures == 1 else logging.DEBUG
+        log.log(
+            level,
+            "background loop %s waits out an outage (%s); retrying in %.1fs",
+            self.name,
+            exc,
+            wait,
+            extra={"loop": self.name, "failures": self.failures},
+        )
+        await asyncio.sleep(wait)
 
 
 def _backoff(policy: LoopPolicy, failures: int) -> float:

@@ -37,14 +37,17 @@ class Maintenance:
         self._on_run_progress = on_run_progress
         self._interval = interval.total_seconds()
         self._offline_after = offline_after
+        # Silent devices are looked for a few times per offline window, at most every tenth tick (the
+        # sweep reads every ONLINE device's last-seen time; a tick's other work is much lighter).
+        self._offline_every = max(1, min(10, int(offline_after / interval / 3)))
         self._ticks = 0
 
     def loop(self) -> Loop:
-        """Upkeep as a background loop: a tick every ``interval`` (offline devices every tenth)."""
+        """Upkeep as a background loop: a tick every ``interval`` (offline devices every few)."""
         return Loop(name="maintenance", step=self._step, pause=self._pause)
 
     async def _step(self) -> None:
-        await self.tick(mark_offline=self._ticks % 10 == 0)
+        await self.tick(mark_offline=self._ticks % self._offline_every == 0)
         self._ticks += 1
 
     async def _pause(self) -> None:

@@ -11,7 +11,7 @@ import asyncio
 import logging
 from datetime import timedelta
 
-from fedlink.common.errors import FedlinkError, InvalidArgument, NotFound
+from fedlink.common.errors import FedlinkError, IllegalTransition, InvalidArgument, NotFound
 from fedlink.server.coordination.known_tasks import KnownTasks
 from fedlink.server.coordination.notify import TaskNotifier
 from fedlink.server.coordination.progress import Progress, UpdateSink
@@ -54,6 +54,8 @@ class JobSupervisor:
         self._drivers: dict[str, asyncio.Task[None]] = {}
         self._progress: dict[str, Progress] = {}
         self._wake = asyncio.Event()
+        # Jobs being failed from outside their drivers (a corrupted blob found by a device's read).
+        self._failing: set[asyncio.Task[None]] = set()
 
     def poke(self, job_id: str) -> None:
         """Tells the job's driver that the job changed (an abort, a new job), urgently, and has the
@@ -87,10 +89,40 @@ class JobSupervisor:
 
     async def close(self) -> None:
         """Cancels every driver and waits for them (the loop's end)."""
-        drivers = list(self._drivers.values())
+        drivers = [*self._drivers.values(), *self._failing]
         for task in drivers:
             task.cancel()
         await asyncio.gather(*drivers, return_exceptions=True)
+
+    def fail_jobs_using(self, sha256: str, message: str) -> None:
+        """Fails, in the background, the live jobs that use blob ``sha256`` (found corrupted), with
+        ``message``. A job whose driver read the blob fails by itself too; whichever is first wins."""
+        task = asyncio.get_running_loop().create_task(
+            self._fail_jobs_using(sha256, message), name=f"fail-jobs-using-{sha256[:12]}"
+        )
+        self._failing.add(task)
+        task.add_done_callback(self._failing.discard)
+
+    async def _fail_jobs_using(self, sha256: str, message: str) -> None:
+        try:
+            for job_id in await self._store.live_jobs_using_blob(sha256):
+                await self.fail(job_id, message)
+        except Exception as exc:  # the blob stays refused to every reader: only the job's end waits
+            log.warning("could not fail the jobs using corrupted blob %s: %s", sha256, exc)
+
+    async def fail(self, job_id: str, message: str) -> None:
+        """Ends a live job as FAILED with ``message`` (its driver, if this coordinator runs one, stops
+        at the next scan); a final job is left as it is."""
+        job = await self._store.get_job(job_id)
+        if is_final(job.state):
+            return
+        try:
+            run: Run | None = await self._store.get_current_run(job_id)
+        except NotFound:
+            run = None
+        await self._finish(job, run, JobState.FAILED, RunState.FAILED, message)
+        log.warning("job %s failed: %s", job_id, message, extra={"job_id": job_id})
+        self.poke(job_id)
 
     async def scan(self) -> None:
         """Starts a driver for every live job without one, and stops the drivers of final jobs."""
@@ -172,13 +204,19 @@ class JobSupervisor:
             renewer.cancel()
             self._notifier.notify(job.job_id)  # long polls of this job answer DONE now
 
-    async def _finish(self, job: Job, run: Run, state: JobState, run_state: RunState, message: str) -> None:
+    async def _finish(
+        self, job: Job, run: Run | None, state: JobState, run_state: RunState, message: str
+    ) -> None:
         current = await self._store.get_job(job.job_id)
         if is_final(current.state):
             return
-        await self._store.cancel_job_tasks(job.job_id)
-        await self._store.finish_run(run.run_id, run_state, message)
-        job = await self._store.set_job_state(job.job_id, state, message)
+        try:
+            await self._store.cancel_job_tasks(job.job_id)
+            if run is not None:
+                await self._store.finish_run(run.run_id, run_state, message)
+            job = await self._store.set_job_state(job.job_id, state, message)
+        except IllegalTransition:
+            return  # ended meanwhile by someone else (an operator, a corrupted blob's discovery)
         await self._events.state_changed(job, state, message)
 
     async def _acquire_run(self, job: Job) -> Run:

@@ -6,6 +6,8 @@ instead of failing on upgrade from a read lock). ``:memory:`` shares one connect
 every transaction on it is serialised in-process. PostgreSQL: READ COMMITTED; write transactions are
 retried on deadlock and serialization failures; statements are planned afresh on every execution
 (``plan_cache_mode=force_custom_plan``), never with a generic plan cached while the tables were small.
+Connections the server drops (a restart, a failover, ``pg_terminate_backend``) are replaced, and the
+transactions they broke run again, each applied once: see :mod:`fedlink.server.store.outages`.
 
 The hot path's write transactions are written as synchronous SQLAlchemy code (:meth:`Database.write_sync`).
 On a SQLite file they run whole in one writer thread on a plain pysqlite connection: aiosqlite hops
@@ -22,6 +24,7 @@ import os
 import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,6 +36,16 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.pool import StaticPool
 
 from fedlink.common.errors import InvalidArgument, Unavailable
+from fedlink.server.store.outages import (
+    ConnectionLost,
+    RetryBudget,
+    StoreAvailability,
+    StoreRetryPolicy,
+    StoreUnavailable,
+    is_connect_failure,
+    is_connection_loss,
+    sqlstate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +60,15 @@ _RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
 _MAX_ATTEMPTS = 8
 #: The files SQLite keeps beside a database in WAL mode (and, briefly, in rollback mode).
 _SQLITE_COMPANIONS = ("-wal", "-shm", "-journal")
+#: How PostgreSQL connections of fedlink show in ``pg_stat_activity`` (unless the URL names another).
+APPLICATION_NAME = "fedlink"
+#: How long opening a PostgreSQL connection may take (asyncpg's default is a minute).
+_PG_CONNECT_TIMEOUT_S = 10.0
+# The id of the transaction about to commit (NULL if it wrote nothing), and later whether it committed.
+_TRANSACTION_ID = sa.text("SELECT pg_current_xact_id_if_assigned()::text::bigint")
+_TRANSACTION_STATUS = sa.text("SELECT pg_xact_status(CAST(:xid AS xid8))")
+#: The budget a store call spends on broken connections, shared by a read method and its reads.
+_BUDGET: ContextVar[RetryBudget | None] = ContextVar("fedlink_store_retry_budget", default=None)
 
 
 def is_memory_sqlite(url: str) -> bool:
@@ -153,31 +175,59 @@ def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
         # claim and report paths slow down as the tables grew. A custom plan per execution costs a
         # fraction of a millisecond and follows the tables' current size.
         server_settings = {"plan_cache_mode": "force_custom_plan"}
-        return create_async_engine(
+        if "application_name" not in parsed.query:
+            server_settings["application_name"] = APPLICATION_NAME
+        engine = create_async_engine(
             url,
             pool_size=pool_size,
             max_overflow=pool_size,
-            connect_args={"server_settings": server_settings},
+            connect_args={"server_settings": server_settings, "timeout": _PG_CONNECT_TIMEOUT_S},
         )
+        event.listen(engine.sync_engine, "checkout", _replace_closed_connection)
+        return engine
     raise InvalidArgument(
         f"unsupported database URL {parsed.render_as_string(hide_password=True)!r}: "
         "use sqlite+aiosqlite:///path.db or postgresql+asyncpg://user@host/db"
     )
 
 
-def _sqlstate(exc: BaseException) -> str | None:
-    orig = getattr(exc, "orig", None)
-    for candidate in (orig, getattr(orig, "__cause__", None)):
-        code = getattr(candidate, "sqlstate", None) or getattr(candidate, "pgcode", None)
-        if isinstance(code, str):
-            return code
-    return None
+def _replace_closed_connection(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+    """Refuses a pooled connection the server closed while it sat idle, so the pool opens a fresh one.
+
+    asyncpg notices the server's goodbye (a restart, ``pg_terminate_backend``) as it arrives, so asking
+    costs no round trip, unlike ``pool_pre_ping``'s one per checkout.
+    """
+    driver_connection = getattr(dbapi_connection, "_connection", None)  # asyncpg's, in SQLAlchemy's adapter
+    is_closed = getattr(driver_connection, "is_closed", None)
+    if callable(is_closed) and is_closed():
+        raise sa.exc.DisconnectionError("the database server closed this pooled connection")
+
+
+class _CommitInDoubt(Exception):
+    """The connection broke while a write transaction committed: it may or may not have committed."""
+
+    def __init__(self, transaction_id: int, result: object) -> None:
+        super().__init__(f"the commit of transaction {transaction_id} may not have completed")
+        self.transaction_id = transaction_id
+        self.result = result
+
+
+async def _roll_back(transaction: Any) -> None:
+    """Rolls back after a failure; on a broken connection the server has rolled back already."""
+    with contextlib.suppress(Exception):
+        await transaction.rollback()
 
 
 class Database:
-    """An engine plus the transaction discipline of its dialect."""
+    """An engine plus the transaction discipline of its dialect.
 
-    def __init__(self, url: str, *, pool_size: int = 10) -> None:
+    Args:
+        url: The database URL.
+        pool_size: PostgreSQL connections kept open.
+        retry: How calls retry broken connections (see :mod:`fedlink.server.store.outages`).
+    """
+
+    def __init__(self, url: str, *, pool_size: int = 10, retry: StoreRetryPolicy | None = None) -> None:
         self.url = url
         self.engine = create_engine(url, pool_size=pool_size)
         self.dialect_name = self.engine.dialect.name
@@ -193,6 +243,11 @@ class Database:
         # timeout when thousands of long polls read at once (SQLite file: its whole pool).
         capacity = SQLITE_CONNECTIONS if self.is_sqlite else 2 * pool_size
         self._slots = contextlib.nullcontext() if self._memory else asyncio.Semaphore(capacity)
+        self.retry = retry or StoreRetryPolicy()
+        #: Whether the store answers (the coordinator's health follows it).
+        self.availability = StoreAvailability()
+        # Until the database answered once nothing is retried: a wrong URL at start fails at once.
+        self._reached = False
 
     def insert_ignore(self, table: sa.Table) -> Any:
         """``INSERT ... ON CONFLICT DO NOTHING`` into ``table`` for this database's dialect."""
@@ -202,32 +257,174 @@ class Database:
 
     @contextlib.asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncConnection]:
-        """A read-only transaction."""
+        """A read-only transaction.
+
+        Opening the connection is retried within the call's budget (nothing has run yet). A connection
+        that breaks during the transaction raises :class:`ConnectionLost`: the caller's whole read may
+        run again (:meth:`reading`).
+        """
         if self._memory:
             assert self._write_lock is not None
             async with self._write_lock, self.engine.begin() as conn:
                 yield conn
-        else:
-            async with self._slots, self.engine.begin() as conn:
-                yield conn
+            return
+        budget = _BUDGET.get() or self._budget()
+        async with self._slots:
+            conn = await self._connect(self.engine, budget)
+            try:
+                async with conn.begin():
+                    yield conn
+            except Exception as exc:
+                if self._reached and is_connection_loss(exc) and not isinstance(exc, StoreUnavailable):
+                    raise ConnectionLost(
+                        f"the database connection broke during a read ({type(exc).__name__})",
+                        retry_after=self.retry.retry_after,
+                    ) from exc
+                self._answered()
+                raise
+            finally:
+                await conn.close()
+        self._answered()
+
+    async def reading(self, call: Callable[[], Awaitable[T]]) -> T:
+        """Runs a read-only ``call`` (a store method that only reads), again on a fresh connection each
+        time its connection broke, within one retry budget."""
+        budget = self._budget()
+        token = _BUDGET.set(budget)
+        try:
+            while True:
+                try:
+                    return await call()
+                except ConnectionLost as exc:
+                    await budget.spend(exc.__cause__ or exc, "reading")
+        finally:
+            _BUDGET.reset(token)
 
     async def write(self, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
-        """Run ``work`` in one write transaction, retrying it on deadlock or serialization failure."""
-        for attempt in range(1, _MAX_ATTEMPTS + 1):
+        """Run ``work`` in one write transaction, applied once.
+
+        Retried whole on deadlock or serialization failure, and on a fresh connection when the
+        connection broke before the commit. When it broke during the commit, the transaction's status
+        says whether it committed (then its result is returned) or must run again.
+
+        Raises:
+            StoreUnavailable: the connection kept breaking for the whole retry budget (if the commit's
+                outcome could not be learnt, the work may have been applied: callers' request ids and
+                idempotent writes cover that case).
+        """
+        budget = self._budget()
+        contention = 0
+        while True:
             try:
-                if self._write_lock is not None:
-                    async with self._write_lock, self._slots, self._write_engine.begin() as conn:
-                        return await work(conn)
-                async with self._slots, self._write_engine.begin() as conn:
-                    return await work(conn)
-            except sa.exc.DBAPIError as exc:
-                if _sqlstate(exc) not in _RETRYABLE_SQLSTATES or attempt == _MAX_ATTEMPTS:
+                result = await self._write_once(work, budget)
+            except _CommitInDoubt as doubt:
+                if await self._committed(doubt.transaction_id, doubt.__cause__ or doubt, budget):
+                    self._answered()
+                    return doubt.result  # type: ignore[return-value]  # what work returned
+                await budget.spend(doubt.__cause__ or doubt, "committing a write")
+                continue
+            except StoreUnavailable:
+                raise
+            except Exception as exc:
+                if self._reached and is_connection_loss(exc):
+                    await budget.spend(exc, "writing")
+                    continue
+                if not isinstance(exc, sa.exc.DBAPIError):
+                    self._answered()
+                    raise
+                contention += 1
+                if sqlstate(exc) not in _RETRYABLE_SQLSTATES or contention == _MAX_ATTEMPTS:
                     if isinstance(exc, sa.exc.OperationalError) and "locked" in str(exc):
                         raise Unavailable(f"database is busy: {exc.orig}") from exc
                     raise
-                log.debug("retrying a write transaction after %s (attempt %d)", _sqlstate(exc), attempt)
-                await asyncio.sleep(0.001 * attempt)
-        raise AssertionError("unreachable")
+                log.debug("retrying a write transaction after %s (attempt %d)", sqlstate(exc), contention)
+                await asyncio.sleep(0.001 * contention)
+                continue
+            self._answered()
+            return result
+
+    async def _write_once(self, work: Callable[[AsyncConnection], Awaitable[T]], budget: RetryBudget) -> T:
+        async with self._writer_slot():
+            conn = await self._connect(self._write_engine, budget)
+            try:
+                transaction = await conn.begin()
+                try:
+                    result = await work(conn)
+                    transaction_id = None if self.is_sqlite else await conn.scalar(_TRANSACTION_ID)
+                except BaseException:
+                    await _roll_back(transaction)
+                    raise
+                try:
+                    await transaction.commit()
+                except Exception as exc:
+                    if not (self._reached and is_connection_loss(exc)):
+                        raise
+                    if transaction_id is None:
+                        return result  # it wrote nothing: there was nothing to lose
+                    raise _CommitInDoubt(int(transaction_id), result) from exc
+                return result
+            finally:
+                await conn.close()
+
+    @contextlib.asynccontextmanager
+    async def _writer_slot(self) -> AsyncIterator[None]:
+        if self._write_lock is not None:
+            async with self._write_lock, self._slots:
+                yield
+        else:
+            async with self._slots:
+                yield
+
+    async def _connect(self, engine: AsyncEngine, budget: RetryBudget) -> AsyncConnection:
+        """A connection of ``engine``, opened again within ``budget`` while the database refuses."""
+        while True:
+            try:
+                return await engine.connect()
+            except Exception as exc:
+                if not (self._reached and is_connect_failure(exc)):
+                    raise
+                await budget.spend(exc, "connecting")
+
+    async def _committed(self, transaction_id: int, cause: BaseException, budget: RetryBudget) -> bool:
+        """Whether a transaction whose commit was cut off committed, asked on another connection.
+
+        Raises:
+            StoreUnavailable: the database did not say within the budget.
+        """
+        while True:
+            try:
+                async with self._slots, self.engine.connect() as conn:
+                    status = await conn.scalar(_TRANSACTION_STATUS, {"xid": transaction_id})
+            except Exception as exc:
+                if not is_connect_failure(exc):
+                    raise
+                await budget.spend(exc, "asking whether a commit went through")
+                continue
+            if status in ("committed", "aborted"):
+                log.info("a write's connection broke during its commit; the transaction had %s", status)
+                return bool(status == "committed")
+            # "in progress": the broken connection's server process has not finished the commit yet.
+            await budget.spend(cause, "waiting for a cut-off commit to finish")
+
+    async def probe(self) -> bool:
+        """Tells whether the database answers now (``SELECT 1``); marks the store available if it does."""
+        try:
+            async with self._slots, self.engine.connect() as conn:
+                await conn.execute(sa.text("SELECT 1"))
+        except Exception as exc:
+            if not is_connect_failure(exc):
+                raise
+            return False
+        self._answered()
+        return True
+
+    def _budget(self) -> RetryBudget:
+        return RetryBudget(self.retry, self.availability)
+
+    def _answered(self) -> None:
+        self._reached = True
+        if not self.availability.available:
+            self.availability.came_back()
 
     async def write_sync(self, work: Callable[[sa.Connection], T]) -> T:
         """Run synchronous ``work`` in one write transaction (retried as :meth:`write` retries).
@@ -263,7 +460,7 @@ def is_store_outage(exc: BaseException) -> bool:
     """True for an error that says the database could not be reached or used just now (a dropped or
     refused connection, a locked or missing table, a busy database) rather than that the request was
     wrong: trying again later may succeed."""
-    if isinstance(exc, Unavailable | OSError | ConnectionError):
+    if isinstance(exc, Unavailable | OSError | ConnectionError) or is_connection_loss(exc):
         return True
     if isinstance(exc, sa.exc.DBAPIError):
         return bool(exc.connection_invalidated) or isinstance(

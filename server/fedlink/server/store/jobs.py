@@ -27,7 +27,10 @@ from fedlink.server.store.blobs import SqlBlobStore
 from fedlink.server.store.core import StoreCore
 from fedlink.server.store.event_log import append_job_events
 from fedlink.server.store.protocol import NewJob, Page
-from fedlink.server.store.schema import checkpoints, job_events, jobs, results, runs, tasks
+from fedlink.server.store.schema import blobs, checkpoints, job_events, jobs, results, runs, tasks
+
+#: Job states whose events are kept whole (``job watch`` follows them).
+_LIVE_JOB_STATES = tuple(state.value for state in JobState if not is_final(state))
 
 
 class JobQueries(StoreCore):
@@ -55,6 +58,13 @@ class JobQueries(StoreCore):
         }
 
         async def work(conn: AsyncConnection) -> Job:
+            if new_job.initial_model_sha256:
+                # The model counts as stored now: no collection takes it from the job being created.
+                await conn.execute(
+                    sa.update(blobs)
+                    .where(blobs.c.sha256 == new_job.initial_model_sha256)
+                    .values(created_at=now)
+                )
             return rows.job((await conn.execute(sa.insert(jobs).values(values).returning(jobs))).one())
 
         return await self._db.write(work)
@@ -319,6 +329,74 @@ class JobQueries(StoreCore):
                     conn, sa.select(jobs.c.job_id).where(jobs.c.job_id == job_id), f"job {job_id}"
                 )
         return found
+
+    async def prune_job_events(self, *, finished_before: datetime, keep_per_job: int) -> int:
+        """Trim the events of finished jobs; return how many were deleted.
+
+        A job finished (its ``updated_at``) before ``finished_before`` keeps only its last event (how it
+        ended); any other finished job its newest ``keep_per_job``. A pending or running job keeps all
+        of them: ``job watch`` replays them. The last event always stays, so the job's numbering goes on
+        from where it was.
+        """
+        if keep_per_job < 1:
+            raise InvalidArgument(f"keep_per_job must be >= 1, got {keep_per_job}")
+        finished = sa.select(jobs.c.job_id, jobs.c.updated_at).where(jobs.c.state.not_in(_LIVE_JOB_STATES))
+        async with self._db.read() as conn:
+            ended = (await conn.execute(finished)).all()
+            bounds: list[tuple[str, int]] = []
+            for job_id, updated_at in ended:
+                of_job = job_events.c.job_id == job_id
+                # Two index probes of (job_id, sequence), not a scan of the job's events.
+                first = sa.select(sa.func.min(job_events.c.sequence)).where(of_job).scalar_subquery()
+                last = sa.select(sa.func.max(job_events.c.sequence)).where(of_job).scalar_subquery()
+                low, high = (await conn.execute(sa.select(first, last))).one()
+                if high is None:
+                    continue
+                keep_from = high if updated_at < finished_before else high - keep_per_job + 1
+                if low < keep_from:
+                    bounds.append((job_id, keep_from))
+        deleted = 0
+        for job_id, keep_from in bounds:
+
+            async def work(conn: AsyncConnection, job_id: str = job_id, keep_from: int = keep_from) -> int:
+                statement = sa.delete(job_events).where(
+                    job_events.c.job_id == job_id, job_events.c.sequence < keep_from
+                )
+                return int((await conn.execute(statement)).rowcount)
+
+            deleted += await self._db.write(work)
+        return deleted
+
+    async def live_jobs_using_blob(self, sha256: str) -> list[str]:
+        """The pending or running jobs whose initial model, run, task, result or checkpoint is the blob."""
+        live = jobs.c.state.in_(_LIVE_JOB_STATES)
+        queries = [
+            sa.select(jobs.c.job_id).where(live, jobs.c.initial_model_sha256 == sha256),
+            sa.select(runs.c.job_id)
+            .join(jobs, jobs.c.job_id == runs.c.job_id)
+            .where(
+                live, sa.or_(runs.c.global_model_sha256 == sha256, runs.c.workflow_state_sha256 == sha256)
+            ),
+            sa.select(tasks.c.job_id)
+            .join(jobs, jobs.c.job_id == tasks.c.job_id)
+            .where(live, tasks.c.payload_sha256 == sha256),
+            sa.select(tasks.c.job_id)
+            .join(results, results.c.task_id == tasks.c.task_id)
+            .join(jobs, jobs.c.job_id == tasks.c.job_id)
+            .where(live, results.c.payload_sha256 == sha256),
+            sa.select(runs.c.job_id)
+            .join(checkpoints, checkpoints.c.run_id == runs.c.run_id)
+            .join(jobs, jobs.c.job_id == runs.c.job_id)
+            .where(
+                live,
+                sa.or_(checkpoints.c.model_sha256 == sha256, checkpoints.c.workflow_state_sha256 == sha256),
+            ),
+        ]
+        found: set[str] = set()
+        async with self._db.read() as conn:
+            for query in queries:
+                found.update((await conn.execute(query)).scalars())
+        return sorted(found)
 
 
 async def _blobs_of_job(conn: AsyncConnection, job_id: str) -> set[str]:

@@ -68,6 +68,36 @@ class BlobRef:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class UploadQuota:
+    """How many bytes of uploads an owner (a device) may hold that it has not used yet."""
+
+    #: Bytes of its uploads in flight plus those complete and not used (reported) yet, at most.
+    max_bytes: int
+    #: When the owner may try again after a refusal (its unused uploads are collected meanwhile).
+    retry_after: timedelta | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectedBlobs:
+    """What one collection of the blob store deleted."""
+
+    #: Blobs nothing used, and the bytes they held.
+    blobs: int = 0
+    blob_bytes: int = 0
+    #: Partial uploads left idle, and the bytes they had received.
+    uploads: int = 0
+    upload_bytes: int = 0
+    #: Files no row names any more (left by a crash), and their bytes.
+    orphan_files: int = 0
+    orphan_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        """Every byte freed."""
+        return self.blob_bytes + self.upload_bytes + self.orphan_bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class NewJob:
     """What :meth:`StateStore.create_job` needs."""
 
@@ -107,6 +137,9 @@ class NewDevice:
     user_info: Mapping[str, str] = field(default_factory=dict)
     #: None gives it a fresh id.
     device_id: str | None = None
+    #: The job name it will ask for with GetJob ("" for any), when known at enrolment (the simulation's
+    #: virtual devices are made to take its job): it may be sampled before its first GetJob.
+    polled_job_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -198,11 +231,19 @@ class BlobStore(Protocol):
         """Store a stream of unknown hash chunk by chunk and return its reference."""
         ...
 
-    async def begin_upload(self, sha256: str, size_bytes: int, *, owner: str | None = None) -> int:
+    async def begin_upload(
+        self, sha256: str, size_bytes: int, *, owner: str | None = None, quota: UploadQuota | None = None
+    ) -> int:
         """Start (or resume) an upload of a blob with a known hash; return the bytes received so far.
 
-        With an ``owner``, the upload is that owner's own and goes on even if the blob is stored.
+        With an ``owner``, the upload is that owner's own and goes on even if the blob is stored; with
+        a ``quota`` too, a new upload that would take the owner's unused uploads over it is refused
+        (ResourceExhausted).
         """
+        ...
+
+    async def touch(self, sha256: str) -> bool:
+        """Tell whether the blob is stored; if it is, it counts as stored just now (not collected yet)."""
         ...
 
     async def received_bytes(self, sha256: str, *, owner: str | None = None) -> int:
@@ -256,6 +297,11 @@ class BlobStore(Protocol):
         """
         ...
 
+    async def collect(self, *, unused_before: datetime, idle_uploads_before: datetime) -> CollectedBlobs:
+        """Delete blobs nothing has used since before ``unused_before`` and partial uploads idle since
+        before ``idle_uploads_before``, with their bytes."""
+        ...
+
 
 class StateStore(Protocol):
     """Everything the coordinator keeps: devices, jobs, runs, tasks, assignments, results, blobs."""
@@ -277,8 +323,17 @@ class StateStore(Protocol):
         credential_hash: str,
         *,
         device_id: str | None = None,
+        pending: bool = False,
+        enrolment_digest: str | None = None,
+        max_devices: int | None = None,
     ) -> Device:
-        """Enroll a device under the hash of its credential (never the credential itself)."""
+        """Enroll a device under the hash of its credential (never the credential itself): PENDING if
+        ``pending``, else ONLINE; ResourceExhausted if ``max_devices`` devices that are not revoked
+        are enrolled already."""
+        ...
+
+    async def enrolment_digest(self, device_id: str) -> str | None:
+        """The digest a device was enrolled with (None if none was kept); NotFound if unknown."""
         ...
 
     async def enroll_devices(self, new_devices: Sequence[NewDevice]) -> list[Device]:
@@ -299,11 +354,27 @@ class StateStore(Protocol):
         ...
 
     async def touch_devices(self, device_ids: Sequence[str], now: datetime) -> None:
-        """Record that these devices were seen at ``now`` (OFFLINE ones come back ONLINE)."""
+        """Record that these devices were seen at ``now`` (OFFLINE ones come back ONLINE); one seen at
+        ``now`` or later already is left alone."""
+        ...
+
+    async def record_polls(self, polls: Sequence[tuple[str, str]], now: datetime) -> None:
+        """Record that each ``(device_id, job_name)`` asked for a job of that name ("" for any) at
+        ``now``; the device is seen then too."""
+        ...
+
+    async def sign_off_device(self, device_id: str, now: datetime) -> list[Assignment]:
+        """An ONLINE device goes OFFLINE at once, and its LEASED assignments are RELEASED (returned)."""
         ...
 
     async def mark_offline(self, older_than: datetime) -> int:
-        """Move ONLINE devices not seen since ``older_than`` to OFFLINE; return how many moved."""
+        """Move ONLINE devices not seen since ``older_than`` and holding no lease to OFFLINE; return how
+        many moved."""
+        ...
+
+    async def approve_device(self, device_id: str) -> Device:
+        """Make a PENDING device ONLINE (an approved one is returned as it is; a revoked one is an
+        IllegalTransition)."""
         ...
 
     async def revoke_device(self, device_id: str) -> Device:
@@ -316,9 +387,12 @@ class StateStore(Protocol):
         """List devices, newest enrollment first."""
         ...
 
-    async def online_devices(self, *, with_info: bool) -> list[tuple[str, Mapping[str, str]]]:
+    async def online_devices(
+        self, *, with_info: bool, job_name: str | None = None
+    ) -> list[tuple[str, Mapping[str, str]]]:
         """Every ONLINE device's id, with its device_info if ``with_info`` (else an empty map), in
-        no particular order: what a workflow samples a round's devices from, in one read."""
+        no particular order: what a workflow samples a round's devices from, in one read. With
+        ``job_name``, only the devices whose last GetJob asked for that name or for any job."""
         ...
 
     # ---- jobs and runs ----
@@ -391,6 +465,15 @@ class StateStore(Protocol):
         self, job_id: str, *, after_sequence: int = 0, limit: int = 1000
     ) -> Sequence[JobEvent]:
         """Return a job's events after ``after_sequence``, in order."""
+        ...
+
+    async def prune_job_events(self, *, finished_before: datetime, keep_per_job: int) -> int:
+        """Trim finished jobs' events: one finished before ``finished_before`` keeps its last event, any
+        other its newest ``keep_per_job``; a pending or running job keeps all. Returns how many went."""
+        ...
+
+    async def live_jobs_using_blob(self, sha256: str) -> list[str]:
+        """The pending or running jobs whose initial model, run, task, result or checkpoint is the blob."""
         ...
 
     # ---- tasks ----
@@ -493,6 +576,10 @@ class StateStore(Protocol):
 
     async def close_round_tasks(self, *, run_id: str, round: int, name: str) -> int:
         """Close every OPEN task of a round of one name; return how many closed."""
+        ...
+
+    async def close_tasks(self, task_ids: Sequence[str]) -> int:
+        """Close those of these tasks that are OPEN, in one transaction; return how many closed."""
         ...
 
     async def round_retries(self, *, run_id: str, round: int, name: str) -> int:

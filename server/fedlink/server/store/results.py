@@ -85,12 +85,18 @@ class ResultQueries(StoreCore):
                 [data for _, data in payloads], sha256s=[sha for sha, _ in payloads]
             )
 
+        inline = {sha for sha, _ in payloads}
+
         def work(conn: sa.Connection) -> list[RecordOutcome | FedlinkError]:
-            if write_payloads is not None:
-                write_payloads(conn)
+            fresh = write_payloads(conn) if write_payloads is not None else set()
             written: list[_Plan] = []
             outcomes = _record_batch(statements, conn, reports, now, written)
             _result_events(conn, written, now)
+            used = {(str(sha), p.report.device_id) for p in written if (sha := p.row["payload_sha256"])}
+            # A payload this batch stored that no recorded result points at (a refused, conflicting or
+            # late report's) never commits; an uploaded blob a result now points at is used up.
+            self._blob_store.drop_new(conn, fresh - {sha for sha, _ in used})
+            self._blob_store.mark_used(conn, [(sha, device) for sha, device in used if sha not in inline])
             return outcomes
 
         return await self._db.write_sync(work)

@@ -186,6 +186,29 @@ class RoundQueries(StoreCore):
 
         return await self._db.write_sync(work)
 
+    async def close_tasks(self, task_ids: Sequence[str]) -> int:
+        """Close those of these tasks that are OPEN (and withdraw their offers), in one transaction;
+        return how many closed. Later reports for them are recorded as stale."""
+        if not task_ids:
+            return 0
+        ids = sa.bindparam("task_ids", expanding=True, type_=tasks.c.task_id.type)
+        withdraw = sa.delete(task_offers).where(task_offers.c.task_id.in_(ids))
+        close = (
+            sa.update(tasks)
+            .where(tasks.c.task_id.in_(ids), tasks.c.state == TaskState.OPEN.value)
+            .values(state=TaskState.CLOSED.value)
+        )
+
+        def work(conn: sa.Connection) -> int:
+            closed = 0
+            for start in range(0, len(task_ids), _IN_BATCH):
+                chunk = {"task_ids": list(task_ids[start : start + _IN_BATCH])}
+                conn.execute(withdraw, chunk)
+                closed += int(conn.execute(close, chunk).rowcount)
+            return closed
+
+        return await self._db.write_sync(work)
+
 
 def _round_summary_statement() -> sa.Select[int, int, int, int, int, int, Any, Any]:
     """The round summary's query, built once with bind parameters (building it cost more than running

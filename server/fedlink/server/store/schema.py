@@ -153,6 +153,13 @@ devices = sa.Table(
     _state(),
     _time("enrolled_at"),
     _time("last_seen"),
+    #: The job name the device last asked for with GetJob ("": any job); NULL until it first asks.
+    #: Sampling picks only devices that asked for a job of that name (or any), so a device that
+    #: enrolled and went silent, or runs another job only, is never handed a round it will not take.
+    sa.Column("polled_job_name", sa.String(200), nullable=True),
+    #: HMAC of the Enroll request that created the device: a retry with the same request_id gets the
+    #: credential again only if it is the same request (NULL for devices enrolled before 0007: never).
+    _sha("enrolment_digest"),
     sa.UniqueConstraint("credential_hash"),
     sa.Index(None, "enrolled_at", "device_id"),
     sa.Index(None, "last_seen"),

@@ -23,6 +23,7 @@ from fedlink.server.store.dialect import Database, is_memory_sqlite
 from fedlink.server.store.grants import BlobGrantQueries
 from fedlink.server.store.jobs import JobQueries
 from fedlink.server.store.migrate import ensure_schema
+from fedlink.server.store.outages import StoreRetryPolicy, retry_reads
 from fedlink.server.store.results import ResultQueries
 from fedlink.server.store.rounds import RoundQueries
 from fedlink.server.store.schema import idempotency_records, signing_keys
@@ -34,6 +35,38 @@ _COOKIE_KEY_ID = "cookie"
 SIGNING_KEY_BYTES = 32
 
 
+# The methods that only read run again, whole, when their connection breaks (writes retry inside
+# Database.write): see fedlink.server.store.outages.
+@retry_reads(
+    "get_job",
+    "list_jobs",
+    "get_run",
+    "get_current_run",
+    "list_checkpoints",
+    "list_job_events",
+    "get_task",
+    "list_tasks",
+    "has_claimable",
+    "has_claimable_many",
+    "get_assignment",
+    "open_assignments",
+    "list_assignments",
+    "task_targets",
+    "device_may_read_blob",
+    "round_summary",
+    "result_outlines",
+    "round_retries",
+    "authenticate_device",
+    "authenticate_devices",
+    "get_device",
+    "list_devices",
+    "online_devices",
+    "device_holds_blob",
+    "count_devices_by_state",
+    "count_jobs_by_state",
+    "list_results",
+    "recall_reply",
+)
 class SqlStateStore(
     DeviceQueries, JobQueries, ClaimQueries, ResultQueries, BlobGrantQueries, RoundQueries, StatsQueries
 ):
@@ -130,6 +163,7 @@ async def create_store(
     clock: Clock | None = None,
     auto_migrate: bool | None = None,
     pool_size: int = 10,
+    retry: StoreRetryPolicy | None = None,
 ) -> SqlStateStore:
     """Open the state store at ``url``; the caller must ``await store.close()``.
 
@@ -143,11 +177,13 @@ async def create_store(
         auto_migrate: upgrade an older schema on open; default True for SQLite, False for
             PostgreSQL (where ``fedlink db upgrade`` is an operator's step).
         pool_size: connections kept open to PostgreSQL.
+        retry: how calls ride out broken database connections (see
+            :mod:`fedlink.server.store.outages`).
 
     Raises:
         SchemaMismatch: the schema is newer than this fedlink, or older and not migrated.
     """
-    database = Database(url, pool_size=pool_size)
+    database = Database(url, pool_size=pool_size, retry=retry)
     try:
         await ensure_schema(
             database, auto_migrate=database.is_sqlite if auto_migrate is None else auto_migrate
@@ -173,6 +209,7 @@ async def open_store(
     clock: Clock | None = None,
     auto_migrate: bool | None = None,
     pool_size: int = 10,
+    retry: StoreRetryPolicy | None = None,
 ) -> AsyncIterator[SqlStateStore]:
     """``async with open_store(url) as store:`` — :func:`create_store`, closed on exit."""
     store = await create_store(
@@ -182,6 +219,7 @@ async def open_store(
         clock=clock,
         auto_migrate=auto_migrate,
         pool_size=pool_size,
+        retry=retry,
     )
     try:
         yield store

@@ -37,6 +37,7 @@ class EventSink(Protocol):
 EVENT_KINDS: Final = {
     "round_started": ("num_devices",),
     "round_closed": ("num_results", "metrics"),
+    "model_version": ("num_updates", "staleness", "metrics", "selection", "counters"),
 }
 
 
@@ -79,9 +80,10 @@ class WorkflowContext:
 
     # ---- devices and tasks ----
     async def eligible_devices(self) -> list[str]:
-        """The online devices the job's device selector admits, sorted by id."""
+        """The online devices the job's device selector admits and that asked for work of the job's name
+        (or any job) with GetJob, sorted by id."""
         selector = self.job.device_selector
-        online = await self.store.online_devices(with_info=bool(selector))
+        online = await self.store.online_devices(with_info=bool(selector), job_name=self.job.name)
         return sorted(device for device, info in online if selector_matches(selector, info))
 
     async def hand_out(

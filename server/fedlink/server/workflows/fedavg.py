@@ -145,6 +145,11 @@ class FedAvgParams(WorkflowParams):
         """The rounds to run."""
         return self.num_rounds
 
+    @property
+    def task_names(self) -> tuple[str, ...]:
+        """``train``, and ``evaluate`` when the rounds are evaluated."""
+        return (TRAIN_TASK, EVALUATE_TASK) if self.evaluate else (TRAIN_TASK,)
+
     def time_bound_s(self) -> float:
         """Every round (and its evaluation) open to its timeout, with every retry."""
         per_round = self.round_timeout_s * (self.max_round_retries + 1) * (2 if self.evaluate else 1)
@@ -497,7 +502,9 @@ class FedAvg:
 
     async def _eligible(self, ctx: WorkflowContext) -> list[str]:
         selector = ctx.job.device_selector
-        online = await ctx.store.online_devices(with_info=bool(selector))
+        # Only devices that asked for this job's kind of work: one that enrolled and went silent, or
+        # that runs other jobs only, would hold the round until its pickup timeout.
+        online = await ctx.store.online_devices(with_info=bool(selector), job_name=ctx.job.name)
         return [device_id for device_id, info in online if selector_matches(selector, info)]
 
     async def _start_wave(

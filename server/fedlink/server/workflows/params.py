@@ -114,6 +114,11 @@ class WorkflowParams:
         """The longest a run can take when every step runs to its timeout; None if unbounded."""
         return None
 
+    @property
+    def task_names(self) -> tuple[str, ...] | None:
+        """The names of the tasks the workflow sends (each needs an executor); None if not known."""
+        return None
+
     def check_memory(self, *, model_bytes: int, max_buffered_round_bytes: int) -> None:
         """Refuses parameters whose run would hold more updates in memory than the coordinator allows.
 

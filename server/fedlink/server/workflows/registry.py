@@ -22,6 +22,7 @@ from fedlink.server.domain import WorkflowSpec
 from fedlink.server.workflows.base import Workflow
 from fedlink.server.workflows.custom import check_allowed, load_factory
 from fedlink.server.workflows.fedavg import FedAvg, FedAvgParams
+from fedlink.server.workflows.fedbuff import FedBuff, FedBuffParams
 from fedlink.server.workflows.params import WorkflowParams
 from fedlink.server.workflows.robust import FedMedianParams, FedTrimmedAvgParams, KrumParams
 from fedlink.server.workflows.strategies import FedAdagradParams, FedAdamParams, FedAvgMParams, FedYogiParams
@@ -73,6 +74,11 @@ def _rounds(params: FedAvgParams, options: DriverOptions) -> Workflow:
     return FedAvg(params, poll_seconds=options.poll_seconds, min_check_seconds=options.round_check_seconds)
 
 
+def _buffered(params: FedBuffParams, options: DriverOptions) -> Workflow:
+    """The FedBuff driver: no rounds, model versions from buffered asynchronous updates."""
+    return FedBuff(params, poll_seconds=options.poll_seconds, min_check_seconds=options.round_check_seconds)
+
+
 _TYPES: tuple[WorkflowType[Any], ...] = (
     WorkflowType(
         name="fedavg",
@@ -121,6 +127,12 @@ _TYPES: tuple[WorkflowType[Any], ...] = (
         summary="rounds aggregated by Krum or Multi-Krum (Blanchard et al. 2017)",
         params=KrumParams,
         build=_rounds,
+    ),
+    WorkflowType(
+        name="fedbuff",
+        summary="asynchronous buffered aggregation of model versions (FedBuff, Nguyen et al. 2022)",
+        params=FedBuffParams,
+        build=_buffered,
     ),
 )
 
@@ -181,6 +193,17 @@ def num_steps(spec: WorkflowSpec) -> int:
         return 0
 
 
+def task_names(spec: WorkflowSpec) -> tuple[str, ...] | None:
+    """The tasks a job of this spec sends (each needs an executor in its job_data); None when the
+    workflow does not say (one of the operator's own) or the spec does not parse."""
+    if spec.is_import_path:
+        return None
+    try:
+        return parse(spec).task_names
+    except InvalidArgument:
+        return None
+
+
 class Workflows:
     """The coordinator's workflows: checks submissions and builds the drivers of runs."""
 
@@ -217,6 +240,10 @@ class Workflows:
         """How many rounds (or model versions) a job of this spec runs to; 0 if it does not say."""
         return num_steps(spec)
 
+    def task_names(self, spec: WorkflowSpec) -> tuple[str, ...] | None:
+        """The tasks a job of this spec sends; None if the workflow does not say."""
+        return task_names(spec)
+
     def build(self, spec: WorkflowSpec) -> Workflow:
         """The driver of one run of a job with this spec.
 
@@ -242,4 +269,5 @@ __all__ = [
     "num_steps",
     "parse",
     "spec_of",
+    "task_names",
 ]

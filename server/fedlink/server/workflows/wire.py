@@ -1,5 +1,6 @@
 """The wire form of workflow specs: ``JobSpec.workflow``, a oneof of one message per built-in workflow
-plus ``custom`` for an import-path workflow (see ``control_service.proto``).
+plus ``custom`` for an import-path workflow (see ``control_service.proto``). FedBuff, which has no
+rounds, has a message of its own (``FedBuffConfig``).
 
 A built-in workflow's oneof field is named as the workflow (``fedavg``, ``fedadam``, ...). FedAvg's
 ``FedAvgConfig`` holds the rounds every round-based strategy shares; each strategy's message embeds it
@@ -39,6 +40,10 @@ _ROUND_SCALARS: Final = (
     "max_round_retries",
 )
 
+#: The round keys whose default (FedAvgParams') is not the wire's zero: a job file or config that
+#: leaves one out means the default, so it is written out (on the wire, 0 is a value).
+ROUND_DEFAULTS: Final[Mapping[str, object]] = {"max_round_retries": 2}
+
 
 def workflow_field_names() -> tuple[str, ...]:
     """The fields of the ``JobSpec.workflow`` oneof, in declaration order."""
@@ -59,6 +64,8 @@ def spec_from_wire(spec: pb.JobSpec) -> WorkflowSpec:
     message = getattr(spec, which)
     if isinstance(message, pb.FedAvgConfig):
         return WorkflowSpec(name=which, config=_rounds_from_wire(message))
+    if isinstance(message, pb.FedBuffConfig):
+        return WorkflowSpec(name=which, config=_fedbuff_from_wire(message))
     config = _rounds_from_wire(getattr(message, _ROUNDS))
     for field in message.DESCRIPTOR.fields:
         if field.name == _ROUNDS:
@@ -82,6 +89,9 @@ def spec_to_wire(workflow: WorkflowSpec, into: pb.JobSpec) -> None:
         raise InvalidArgument(f"workflow {workflow.name!r} has no wire form")
     message = getattr(into, workflow.name)
     config = dict(workflow.config)
+    if isinstance(message, pb.FedBuffConfig):
+        _fedbuff_to_wire(config, message)
+        return
     rounds = message if isinstance(message, pb.FedAvgConfig) else getattr(message, _ROUNDS)
     _rounds_to_wire(config, rounds)
     if message is rounds:
@@ -120,6 +130,8 @@ def _rounds_to_wire(config: Mapping[str, Any], message: pb.FedAvgConfig) -> None
     for name in _ROUND_SCALARS:
         if name in config:
             _set(message, name, config[name])
+        elif name in ROUND_DEFAULTS:
+            _set(message, name, ROUND_DEFAULTS[name])
     if "fraction" in config:
         message.fraction = float(config["fraction"])
     if "round_timeout_s" in config:
@@ -146,6 +158,76 @@ def _set(message: Message, name: str, value: object) -> None:
         setattr(message, name, value)
     except (TypeError, ValueError):  # out of int32 range, or the wrong type for the field
         raise InvalidArgument(f"{message.DESCRIPTOR.name}.{name} cannot hold {value!r}") from None
+
+
+# ---- FedBuffConfig: no rounds ---------------------------------------------------------------------
+
+#: FedBuffConfig's ``optional`` fields, taken when set (unset means the parameter's default).
+_FEDBUFF_OPTIONAL: Final = (
+    "num_updates_for_model",
+    "max_model_history",
+    "global_lr",
+    "staleness_weight",
+    "device_selection_size",
+    "min_hole_to_fill",
+    "device_reuse",
+    "keep_checkpoints",
+)
+#: FedBuffConfig's durations: (field, config key), zero meaning the default.
+_FEDBUFF_DURATIONS: Final = (
+    ("device_wait_timeout", "device_wait_timeout_s"),
+    ("task_timeout", "task_timeout_s"),
+    ("pickup_timeout", "pickup_timeout_s"),
+)
+_UPDATE_WEIGHTS: Final = {
+    pb.UPDATE_WEIGHT_UNSPECIFIED: "num_examples",
+    pb.UPDATE_WEIGHT_NUM_EXAMPLES: "num_examples",
+    pb.UPDATE_WEIGHT_DEVICE: "device",
+}
+_SAMPLING: Final = {
+    pb.DEVICE_SAMPLING_STRATEGY_UNSPECIFIED: "balanced",
+    pb.DEVICE_SAMPLING_STRATEGY_BALANCED: "balanced",
+    pb.DEVICE_SAMPLING_STRATEGY_RANDOM: "random",
+}
+
+
+def _fedbuff_from_wire(message: pb.FedBuffConfig) -> dict[str, Any]:
+    config: dict[str, Any] = {"max_model_version": message.max_model_version, "seed": message.seed}
+    present: Message = message  # fields named by string: HasField of any message
+    for name in _FEDBUFF_OPTIONAL:
+        if present.HasField(name):
+            config[name] = getattr(message, name)
+    for field, key in _FEDBUFF_DURATIONS:
+        if present.HasField(field):
+            seconds = _seconds(getattr(message, field), field)
+            if seconds:  # zero means the default
+                config[key] = seconds
+    weight = _UPDATE_WEIGHTS.get(message.update_weight)
+    if weight is None:
+        raise InvalidArgument(f"unknown update_weight {message.update_weight}")
+    sampling = _SAMPLING.get(message.device_sampling_strategy)
+    if sampling is None:
+        raise InvalidArgument(f"unknown device_sampling_strategy {message.device_sampling_strategy}")
+    config["update_weight"], config["device_sampling_strategy"] = weight, sampling
+    return config
+
+
+def _fedbuff_to_wire(config: Mapping[str, Any], message: pb.FedBuffConfig) -> None:
+    message.SetInParent()
+    for name in ("max_model_version", "seed", *_FEDBUFF_OPTIONAL):
+        if name in config:
+            _set(message, name, config[name])
+    for field, key in _FEDBUFF_DURATIONS:
+        if key in config and float(config[key]):
+            getattr(message, field).FromTimedelta(timedelta(seconds=float(config[key])))
+    if config.get("update_weight") == "device":
+        message.update_weight = pb.UPDATE_WEIGHT_DEVICE
+    elif "update_weight" in config:
+        message.update_weight = pb.UPDATE_WEIGHT_NUM_EXAMPLES
+    if config.get("device_sampling_strategy") == "random":
+        message.device_sampling_strategy = pb.DEVICE_SAMPLING_STRATEGY_RANDOM
+    elif "device_sampling_strategy" in config:
+        message.device_sampling_strategy = pb.DEVICE_SAMPLING_STRATEGY_BALANCED
 
 
 # ---- custom ----------------------------------------------------------------------------------------

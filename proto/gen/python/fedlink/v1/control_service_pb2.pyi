@@ -47,6 +47,58 @@ ROUND_FAILURE_POLICY_FAIL: RoundFailurePolicy.ValueType  # 2
 """Fail the job at once."""
 Global___RoundFailurePolicy: _TypeAlias = RoundFailurePolicy  # noqa: Y015
 
+class _UpdateWeight:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _UpdateWeightEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_UpdateWeight.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    UPDATE_WEIGHT_UNSPECIFIED: _UpdateWeight.ValueType  # 0
+    """Not set; means UPDATE_WEIGHT_NUM_EXAMPLES."""
+    UPDATE_WEIGHT_NUM_EXAMPLES: _UpdateWeight.ValueType  # 1
+    """By the update's aggregation weight, as FedAvg weighs: `meta.num_examples`, else
+    `meta.num_steps_current_round`.
+    """
+    UPDATE_WEIGHT_DEVICE: _UpdateWeight.ValueType  # 2
+    """1 per device, as NVIDIA FLARE's FedBuff counts devices."""
+
+class UpdateWeight(_UpdateWeight, metaclass=_UpdateWeightEnumTypeWrapper):
+    """How an update weighs in FedBuff's buffer."""
+
+UPDATE_WEIGHT_UNSPECIFIED: UpdateWeight.ValueType  # 0
+"""Not set; means UPDATE_WEIGHT_NUM_EXAMPLES."""
+UPDATE_WEIGHT_NUM_EXAMPLES: UpdateWeight.ValueType  # 1
+"""By the update's aggregation weight, as FedAvg weighs: `meta.num_examples`, else
+`meta.num_steps_current_round`.
+"""
+UPDATE_WEIGHT_DEVICE: UpdateWeight.ValueType  # 2
+"""1 per device, as NVIDIA FLARE's FedBuff counts devices."""
+Global___UpdateWeight: _TypeAlias = UpdateWeight  # noqa: Y015
+
+class _DeviceSamplingStrategy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _DeviceSamplingStrategyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DeviceSamplingStrategy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    DEVICE_SAMPLING_STRATEGY_UNSPECIFIED: _DeviceSamplingStrategy.ValueType  # 0
+    """Not set; means DEVICE_SAMPLING_STRATEGY_BALANCED."""
+    DEVICE_SAMPLING_STRATEGY_BALANCED: _DeviceSamplingStrategy.ValueType  # 1
+    """The devices given the fewest tasks of the job so far first, ties broken by the seeded generator."""
+    DEVICE_SAMPLING_STRATEGY_RANDOM: _DeviceSamplingStrategy.ValueType  # 2
+    """Uniformly among the eligible devices, by the seeded generator."""
+
+class DeviceSamplingStrategy(_DeviceSamplingStrategy, metaclass=_DeviceSamplingStrategyEnumTypeWrapper):
+    """How FedBuff samples devices for the free slots of its selection."""
+
+DEVICE_SAMPLING_STRATEGY_UNSPECIFIED: DeviceSamplingStrategy.ValueType  # 0
+"""Not set; means DEVICE_SAMPLING_STRATEGY_BALANCED."""
+DEVICE_SAMPLING_STRATEGY_BALANCED: DeviceSamplingStrategy.ValueType  # 1
+"""The devices given the fewest tasks of the job so far first, ties broken by the seeded generator."""
+DEVICE_SAMPLING_STRATEGY_RANDOM: DeviceSamplingStrategy.ValueType  # 2
+"""Uniformly among the eligible devices, by the seeded generator."""
+Global___DeviceSamplingStrategy: _TypeAlias = DeviceSamplingStrategy  # noqa: Y015
+
 @_typing.final
 class FedAvgConfig(_message.Message):
     """Parameters of the FedAvg workflow: synchronous rounds of sampled devices, weighted averaging."""
@@ -435,6 +487,142 @@ class KrumConfig(_message.Message):
 Global___KrumConfig: _TypeAlias = KrumConfig  # noqa: Y015
 
 @_typing.final
+class FedBuffConfig(_message.Message):
+    """Parameters of FedBuff (Nguyen et al. 2022, "Federated Learning with Buffered Asynchronous
+    Aggregation"), with NVIDIA FLARE's edge names and meanings: no rounds. A selection of
+    `device_selection_size` devices holds a `train` task each, on the model version current when it got
+    it (GetTaskResponse.model_version); a slot freed by a report, a failure, a release, an expired lease,
+    a missed pickup or a missed `task_timeout` is refilled once `min_hole_to_fill` slots are free. Every
+    accepted update is buffered; after `num_updates_for_model` of them (from any versions) the next
+    version is `model + global_lr * delta`, with
+    `delta = sum_v s(tau_v) * sum_{i in v} a_i * d_i / sum_v s(tau_v) * sum_{i in v} a_i`: `d_i` an update's
+    difference to the model it trained on, `a_i` its weight (`update_weight`), `tau_v` the current version
+    minus its version, and `s(tau) = 1`, or `1 / (1 + sqrt(tau))` with `staleness_weight`. A task whose
+    version falls `max_model_history` versions behind is closed: its report is STALE. Version 0 is the
+    initial model; the job finishes when version `max_model_version` is made (a checkpoint per version,
+    its `round` the version). Unset `optional` fields mean the default named.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_MODEL_VERSION_FIELD_NUMBER: _builtins.int
+    NUM_UPDATES_FOR_MODEL_FIELD_NUMBER: _builtins.int
+    MAX_MODEL_HISTORY_FIELD_NUMBER: _builtins.int
+    GLOBAL_LR_FIELD_NUMBER: _builtins.int
+    STALENESS_WEIGHT_FIELD_NUMBER: _builtins.int
+    UPDATE_WEIGHT_FIELD_NUMBER: _builtins.int
+    DEVICE_SELECTION_SIZE_FIELD_NUMBER: _builtins.int
+    MIN_HOLE_TO_FILL_FIELD_NUMBER: _builtins.int
+    DEVICE_REUSE_FIELD_NUMBER: _builtins.int
+    DEVICE_SAMPLING_STRATEGY_FIELD_NUMBER: _builtins.int
+    DEVICE_WAIT_TIMEOUT_FIELD_NUMBER: _builtins.int
+    TASK_TIMEOUT_FIELD_NUMBER: _builtins.int
+    PICKUP_TIMEOUT_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    KEEP_CHECKPOINTS_FIELD_NUMBER: _builtins.int
+    max_model_version: _builtins.int
+    """The model version that ends the job (>= 1)."""
+    num_updates_for_model: _builtins.int
+    """Accepted updates that make the next model version (>= 1); unset means 100."""
+    max_model_history: _builtins.int
+    """How many versions an update may lag behind before its task is closed; unset means 10, zero means no
+    limit.
+    """
+    global_lr: _builtins.float
+    """The server learning rate (> 0) the buffer's mean update is scaled by; unset means 1.0."""
+    staleness_weight: _builtins.bool
+    """Whether to weigh a version's updates by `1 / (1 + sqrt(staleness))`; unset means false."""
+    update_weight: Global___UpdateWeight.ValueType
+    """How an update weighs within the buffer."""
+    device_selection_size: _builtins.int
+    """Devices holding a task at once (>= 1); unset means 100."""
+    min_hole_to_fill: _builtins.int
+    """Free slots needed before the selection is refilled, in [1, device_selection_size]; unset means 1."""
+    device_reuse: _builtins.bool
+    """Whether a device that reported may be given another task; unset means true."""
+    device_sampling_strategy: Global___DeviceSamplingStrategy.ValueType
+    """How devices are sampled for free slots."""
+    seed: _builtins.int
+    """Seed of the sampling generator; the same seed and devices give the same samples."""
+    keep_checkpoints: _builtins.int
+    """How many of the latest version checkpoints to keep besides the final model. Unset means the
+    coordinator's default (3).
+    """
+    @_builtins.property
+    def device_wait_timeout(self) -> _duration_pb2.Duration:
+        """Fail the job once the selection could not be filled for this long. Unset or zero waits for ever."""
+
+    @_builtins.property
+    def task_timeout(self) -> _duration_pb2.Duration:
+        """How long a device has to report its task before the report is STALE and its slot refilled. Unset or
+        zero means 600 s.
+        """
+
+    @_builtins.property
+    def pickup_timeout(self) -> _duration_pb2.Duration:
+        """How long a sampled device has to pick up its task before its slot goes to another device. Unset or
+        zero means 30 s.
+        """
+
+    def __init__(
+        self,
+        *,
+        max_model_version: _builtins.int = ...,
+        num_updates_for_model: _builtins.int | None = ...,
+        max_model_history: _builtins.int | None = ...,
+        global_lr: _builtins.float | None = ...,
+        staleness_weight: _builtins.bool | None = ...,
+        update_weight: Global___UpdateWeight.ValueType = ...,
+        device_selection_size: _builtins.int | None = ...,
+        min_hole_to_fill: _builtins.int | None = ...,
+        device_reuse: _builtins.bool | None = ...,
+        device_sampling_strategy: Global___DeviceSamplingStrategy.ValueType = ...,
+        device_wait_timeout: _duration_pb2.Duration | None = ...,
+        task_timeout: _duration_pb2.Duration | None = ...,
+        pickup_timeout: _duration_pb2.Duration | None = ...,
+        seed: _builtins.int = ...,
+        keep_checkpoints: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_device_reuse", b"_device_reuse", "_device_selection_size", b"_device_selection_size", "_global_lr", b"_global_lr", "_keep_checkpoints", b"_keep_checkpoints", "_max_model_history", b"_max_model_history", "_min_hole_to_fill", b"_min_hole_to_fill", "_num_updates_for_model", b"_num_updates_for_model", "_staleness_weight", b"_staleness_weight", "device_reuse", b"device_reuse", "device_selection_size", b"device_selection_size", "device_wait_timeout", b"device_wait_timeout", "global_lr", b"global_lr", "keep_checkpoints", b"keep_checkpoints", "max_model_history", b"max_model_history", "min_hole_to_fill", b"min_hole_to_fill", "num_updates_for_model", b"num_updates_for_model", "pickup_timeout", b"pickup_timeout", "staleness_weight", b"staleness_weight", "task_timeout", b"task_timeout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_device_reuse", b"_device_reuse", "_device_selection_size", b"_device_selection_size", "_global_lr", b"_global_lr", "_keep_checkpoints", b"_keep_checkpoints", "_max_model_history", b"_max_model_history", "_min_hole_to_fill", b"_min_hole_to_fill", "_num_updates_for_model", b"_num_updates_for_model", "_staleness_weight", b"_staleness_weight", "device_reuse", b"device_reuse", "device_sampling_strategy", b"device_sampling_strategy", "device_selection_size", b"device_selection_size", "device_wait_timeout", b"device_wait_timeout", "global_lr", b"global_lr", "keep_checkpoints", b"keep_checkpoints", "max_model_history", b"max_model_history", "max_model_version", b"max_model_version", "min_hole_to_fill", b"min_hole_to_fill", "num_updates_for_model", b"num_updates_for_model", "pickup_timeout", b"pickup_timeout", "seed", b"seed", "staleness_weight", b"staleness_weight", "task_timeout", b"task_timeout", "update_weight", b"update_weight"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__device_reuse: _TypeAlias = _typing.Literal["device_reuse"]  # noqa: Y015
+    _WhichOneofArgType__device_reuse: _TypeAlias = _typing.Literal["_device_reuse", b"_device_reuse"]  # noqa: Y015
+    _WhichOneofReturnType__device_selection_size: _TypeAlias = _typing.Literal["device_selection_size"]  # noqa: Y015
+    _WhichOneofArgType__device_selection_size: _TypeAlias = _typing.Literal["_device_selection_size", b"_device_selection_size"]  # noqa: Y015
+    _WhichOneofReturnType__global_lr: _TypeAlias = _typing.Literal["global_lr"]  # noqa: Y015
+    _WhichOneofArgType__global_lr: _TypeAlias = _typing.Literal["_global_lr", b"_global_lr"]  # noqa: Y015
+    _WhichOneofReturnType__keep_checkpoints: _TypeAlias = _typing.Literal["keep_checkpoints"]  # noqa: Y015
+    _WhichOneofArgType__keep_checkpoints: _TypeAlias = _typing.Literal["_keep_checkpoints", b"_keep_checkpoints"]  # noqa: Y015
+    _WhichOneofReturnType__max_model_history: _TypeAlias = _typing.Literal["max_model_history"]  # noqa: Y015
+    _WhichOneofArgType__max_model_history: _TypeAlias = _typing.Literal["_max_model_history", b"_max_model_history"]  # noqa: Y015
+    _WhichOneofReturnType__min_hole_to_fill: _TypeAlias = _typing.Literal["min_hole_to_fill"]  # noqa: Y015
+    _WhichOneofArgType__min_hole_to_fill: _TypeAlias = _typing.Literal["_min_hole_to_fill", b"_min_hole_to_fill"]  # noqa: Y015
+    _WhichOneofReturnType__num_updates_for_model: _TypeAlias = _typing.Literal["num_updates_for_model"]  # noqa: Y015
+    _WhichOneofArgType__num_updates_for_model: _TypeAlias = _typing.Literal["_num_updates_for_model", b"_num_updates_for_model"]  # noqa: Y015
+    _WhichOneofReturnType__staleness_weight: _TypeAlias = _typing.Literal["staleness_weight"]  # noqa: Y015
+    _WhichOneofArgType__staleness_weight: _TypeAlias = _typing.Literal["_staleness_weight", b"_staleness_weight"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__device_reuse) -> _WhichOneofReturnType__device_reuse | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__device_selection_size) -> _WhichOneofReturnType__device_selection_size | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__global_lr) -> _WhichOneofReturnType__global_lr | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__keep_checkpoints) -> _WhichOneofReturnType__keep_checkpoints | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_model_history) -> _WhichOneofReturnType__max_model_history | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_hole_to_fill) -> _WhichOneofReturnType__min_hole_to_fill | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__num_updates_for_model) -> _WhichOneofReturnType__num_updates_for_model | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__staleness_weight) -> _WhichOneofReturnType__staleness_weight | None: ...
+
+Global___FedBuffConfig: _TypeAlias = FedBuffConfig  # noqa: Y015
+
+@_typing.final
 class CustomWorkflowConfig(_message.Message):
     """A workflow of the operator's own: a factory the coordinator imports and calls with `config_json`.
     The coordinator refuses it with FAILED_PRECONDITION unless its `allow_workflows` setting matches the
@@ -498,6 +686,7 @@ class JobSpec(_message.Message):
     FEDMEDIAN_FIELD_NUMBER: _builtins.int
     FEDTRIMMEDAVG_FIELD_NUMBER: _builtins.int
     KRUM_FIELD_NUMBER: _builtins.int
+    FEDBUFF_FIELD_NUMBER: _builtins.int
     CUSTOM_FIELD_NUMBER: _builtins.int
     JOB_DATA_FIELD_NUMBER: _builtins.int
     INITIAL_MODEL_FIELD_NUMBER: _builtins.int
@@ -539,6 +728,10 @@ class JobSpec(_message.Message):
         """Rounds aggregated by Krum or Multi-Krum."""
 
     @_builtins.property
+    def fedbuff(self) -> Global___FedBuffConfig:
+        """Asynchronous buffered aggregation: model versions instead of rounds."""
+
+    @_builtins.property
     def custom(self) -> Global___CustomWorkflowConfig:
         """A workflow of the operator's own, named by import path."""
 
@@ -567,16 +760,17 @@ class JobSpec(_message.Message):
         fedmedian: Global___FedMedianConfig | None = ...,
         fedtrimmedavg: Global___FedTrimmedAvgConfig | None = ...,
         krum: Global___KrumConfig | None = ...,
+        fedbuff: Global___FedBuffConfig | None = ...,
         custom: Global___CustomWorkflowConfig | None = ...,
         job_data: _builtins.str = ...,
         initial_model: _dxo_pb2.BlobRef | None = ...,
         device_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["custom", b"custom", "fedadagrad", b"fedadagrad", "fedadam", b"fedadam", "fedavg", b"fedavg", "fedavgm", b"fedavgm", "fedmedian", b"fedmedian", "fedtrimmedavg", b"fedtrimmedavg", "fedyogi", b"fedyogi", "initial_model", b"initial_model", "krum", b"krum", "workflow", b"workflow"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["custom", b"custom", "fedadagrad", b"fedadagrad", "fedadam", b"fedadam", "fedavg", b"fedavg", "fedavgm", b"fedavgm", "fedbuff", b"fedbuff", "fedmedian", b"fedmedian", "fedtrimmedavg", b"fedtrimmedavg", "fedyogi", b"fedyogi", "initial_model", b"initial_model", "krum", b"krum", "workflow", b"workflow"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["custom", b"custom", "device_selector", b"device_selector", "fedadagrad", b"fedadagrad", "fedadam", b"fedadam", "fedavg", b"fedavg", "fedavgm", b"fedavgm", "fedmedian", b"fedmedian", "fedtrimmedavg", b"fedtrimmedavg", "fedyogi", b"fedyogi", "initial_model", b"initial_model", "job_data", b"job_data", "krum", b"krum", "name", b"name", "workflow", b"workflow"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["custom", b"custom", "device_selector", b"device_selector", "fedadagrad", b"fedadagrad", "fedadam", b"fedadam", "fedavg", b"fedavg", "fedavgm", b"fedavgm", "fedbuff", b"fedbuff", "fedmedian", b"fedmedian", "fedtrimmedavg", b"fedtrimmedavg", "fedyogi", b"fedyogi", "initial_model", b"initial_model", "job_data", b"job_data", "krum", b"krum", "name", b"name", "workflow", b"workflow"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_workflow: _TypeAlias = _typing.Literal["fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedmedian", "fedtrimmedavg", "krum", "custom"]  # noqa: Y015
+    _WhichOneofReturnType_workflow: _TypeAlias = _typing.Literal["fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedmedian", "fedtrimmedavg", "krum", "fedbuff", "custom"]  # noqa: Y015
     _WhichOneofArgType_workflow: _TypeAlias = _typing.Literal["workflow", b"workflow"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_workflow) -> _WhichOneofReturnType_workflow | None: ...
 
@@ -967,6 +1161,7 @@ class WatchJobResponse(_message.Message):
     RESULT_RECEIVED_FIELD_NUMBER: _builtins.int
     ROUND_CLOSED_FIELD_NUMBER: _builtins.int
     JOB_STATE_CHANGED_FIELD_NUMBER: _builtins.int
+    MODEL_VERSION_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """Position of the event in the job's history, increasing from 1; pass it as `after_sequence` to resume."""
     state: _states_pb2.JobState.ValueType
@@ -993,6 +1188,10 @@ class WatchJobResponse(_message.Message):
     def job_state_changed(self) -> Global___JobStateChanged:
         """The job's state changed."""
 
+    @_builtins.property
+    def model_version(self) -> Global___ModelVersion:
+        """A new global model version was made (FedBuff); `round` is the version."""
+
     def __init__(
         self,
         *,
@@ -1004,12 +1203,13 @@ class WatchJobResponse(_message.Message):
         result_received: Global___ResultReceived | None = ...,
         round_closed: Global___RoundClosed | None = ...,
         job_state_changed: Global___JobStateChanged | None = ...,
+        model_version: Global___ModelVersion | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "event_time", b"event_time", "job_state_changed", b"job_state_changed", "result_received", b"result_received", "round_closed", b"round_closed", "round_started", b"round_started"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "event_time", b"event_time", "job_state_changed", b"job_state_changed", "model_version", b"model_version", "result_received", b"result_received", "round_closed", b"round_closed", "round_started", b"round_started"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "event_time", b"event_time", "job_state_changed", b"job_state_changed", "result_received", b"result_received", "round", b"round", "round_closed", b"round_closed", "round_started", b"round_started", "sequence", b"sequence", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "event_time", b"event_time", "job_state_changed", b"job_state_changed", "model_version", b"model_version", "result_received", b"result_received", "round", b"round", "round_closed", b"round_closed", "round_started", b"round_started", "sequence", b"sequence", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["round_started", "result_received", "round_closed", "job_state_changed"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["round_started", "result_received", "round_closed", "job_state_changed", "model_version"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
@@ -1122,6 +1322,80 @@ class RoundClosed(_message.Message):
 Global___RoundClosed: _TypeAlias = RoundClosed  # noqa: Y015
 
 @_typing.final
+class ModelVersion(_message.Message):
+    """Event: a new global model version was made from buffered updates."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MetricsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    NUM_UPDATES_FIELD_NUMBER: _builtins.int
+    STALENESS_COUNTS_FIELD_NUMBER: _builtins.int
+    METRICS_FIELD_NUMBER: _builtins.int
+    SELECTION_FIELD_NUMBER: _builtins.int
+    NUM_FAILED_FIELD_NUMBER: _builtins.int
+    NUM_LOST_FIELD_NUMBER: _builtins.int
+    NUM_STALE_FIELD_NUMBER: _builtins.int
+    num_updates: _builtins.int
+    """Updates aggregated into it."""
+    selection: _builtins.int
+    """Devices holding a task of the job when the version was made."""
+    num_failed: _builtins.int
+    """Tasks of the job whose report failed, so far."""
+    num_lost: _builtins.int
+    """Tasks of the job whose device was lost (lease expired, released, not picked up, not reported in
+    time), so far.
+    """
+    num_stale: _builtins.int
+    """Tasks closed because their version fell out of the model history, so far."""
+    @_builtins.property
+    def staleness_counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """How many of them were how stale: `staleness_counts[k]` updates trained on the version `k` before
+        the one they were aggregated into (the list ends at the largest staleness seen).
+        """
+
+    @_builtins.property
+    def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """The updates' metrics, averaged with their weights (e.g. "train_loss"), and "mean_staleness"."""
+
+    def __init__(
+        self,
+        *,
+        num_updates: _builtins.int = ...,
+        staleness_counts: _abc.Iterable[_builtins.int] | None = ...,
+        metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        selection: _builtins.int = ...,
+        num_failed: _builtins.int = ...,
+        num_lost: _builtins.int = ...,
+        num_stale: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["metrics", b"metrics", "num_failed", b"num_failed", "num_lost", b"num_lost", "num_stale", b"num_stale", "num_updates", b"num_updates", "selection", b"selection", "staleness_counts", b"staleness_counts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelVersion: _TypeAlias = ModelVersion  # noqa: Y015
+
+@_typing.final
 class JobStateChanged(_message.Message):
     """Event: the job's state changed."""
 
@@ -1205,11 +1479,11 @@ class Device(_message.Message):
     """The device's state."""
     @_builtins.property
     def device_info(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """The device's description from its latest GetJob."""
+        """The device's description as recorded at enrolment (what job selectors match)."""
 
     @_builtins.property
     def user_info(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """The device's user description from its latest GetJob."""
+        """The device's user description as recorded at enrolment."""
 
     @_builtins.property
     def enroll_time(self) -> _timestamp_pb2.Timestamp:
@@ -1344,6 +1618,56 @@ class RevokeDeviceResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RevokeDeviceResponse: _TypeAlias = RevokeDeviceResponse  # noqa: Y015
+
+@_typing.final
+class ApproveDeviceRequest(_message.Message):
+    """Request for ApproveDevice."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEVICE_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    device_id: _builtins.str
+    """The device to approve."""
+    request_id: _builtins.str
+    """Client-chosen unique id (a UUID) for idempotent retries of this call."""
+    def __init__(
+        self,
+        *,
+        device_id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_id", b"device_id", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApproveDeviceRequest: _TypeAlias = ApproveDeviceRequest  # noqa: Y015
+
+@_typing.final
+class ApproveDeviceResponse(_message.Message):
+    """Response for ApproveDevice."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEVICE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def device(self) -> Global___Device:
+        """The device, now in DEVICE_STATE_ONLINE (or the state it was in if it was approved already)."""
+
+    def __init__(
+        self,
+        *,
+        device: Global___Device | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["device", b"device"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApproveDeviceResponse: _TypeAlias = ApproveDeviceResponse  # noqa: Y015
 
 @_typing.final
 class UploadModelRequest(_message.Message):

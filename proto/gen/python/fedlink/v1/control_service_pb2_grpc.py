@@ -79,6 +79,11 @@ class ControlServiceStub:
                 request_serializer=fedlink_dot_v1_dot_control__service__pb2.RevokeDeviceRequest.SerializeToString,
                 response_deserializer=fedlink_dot_v1_dot_control__service__pb2.RevokeDeviceResponse.FromString,
                 _registered_method=True)
+        self.ApproveDevice = channel.unary_unary(
+                '/fedlink.v1.ControlService/ApproveDevice',
+                request_serializer=fedlink_dot_v1_dot_control__service__pb2.ApproveDeviceRequest.SerializeToString,
+                response_deserializer=fedlink_dot_v1_dot_control__service__pb2.ApproveDeviceResponse.FromString,
+                _registered_method=True)
         self.UploadModel = channel.stream_unary(
                 '/fedlink.v1.ControlService/UploadModel',
                 request_serializer=fedlink_dot_v1_dot_control__service__pb2.UploadModelRequest.SerializeToString,
@@ -164,6 +169,15 @@ class ControlServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ApproveDevice(self, request, context):
+        """Approves a device enrolled in DEVICE_STATE_PENDING (a coordinator that requires approval): it
+        becomes DEVICE_STATE_ONLINE and may take part in jobs. An approved device is returned as it is; a
+        revoked one gets FAILED_PRECONDITION, an unknown one NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def UploadModel(self, request_iterator, context):
         """Uploads a model (a serialized `Dxo` of kind WEIGHTS) in chunks, as a content-addressed blob.
         Resumable in the same way as RunnerService.UploadBlob.
@@ -181,7 +195,8 @@ class ControlServiceServicer:
 
     def DownloadModel(self, request, context):
         """Downloads a job's model (the final one, or a kept round's checkpoint) as a serialized `Dxo` of kind
-        WEIGHTS, in chunks. A round that was not kept gets NOT_FOUND.
+        WEIGHTS, in chunks. A round that was not kept gets NOT_FOUND; a model whose stored bytes no longer
+        match its SHA-256 gets DATA_LOSS before any chunk is sent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -229,6 +244,11 @@ def add_ControlServiceServicer_to_server(servicer, server):
                     servicer.RevokeDevice,
                     request_deserializer=fedlink_dot_v1_dot_control__service__pb2.RevokeDeviceRequest.FromString,
                     response_serializer=fedlink_dot_v1_dot_control__service__pb2.RevokeDeviceResponse.SerializeToString,
+            ),
+            'ApproveDevice': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApproveDevice,
+                    request_deserializer=fedlink_dot_v1_dot_control__service__pb2.ApproveDeviceRequest.FromString,
+                    response_serializer=fedlink_dot_v1_dot_control__service__pb2.ApproveDeviceResponse.SerializeToString,
             ),
             'UploadModel': grpc.stream_unary_rpc_method_handler(
                     servicer.UploadModel,
@@ -467,6 +487,33 @@ class ControlService:
             '/fedlink.v1.ControlService/RevokeDevice',
             fedlink_dot_v1_dot_control__service__pb2.RevokeDeviceRequest.SerializeToString,
             fedlink_dot_v1_dot_control__service__pb2.RevokeDeviceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApproveDevice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedlink.v1.ControlService/ApproveDevice',
+            fedlink_dot_v1_dot_control__service__pb2.ApproveDeviceRequest.SerializeToString,
+            fedlink_dot_v1_dot_control__service__pb2.ApproveDeviceResponse.FromString,
             options,
             channel_credentials,
             insecure,

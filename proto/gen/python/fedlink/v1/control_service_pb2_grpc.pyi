@@ -62,6 +62,11 @@ class ControlServiceStub:
     """Lists enrolled devices, a page at a time."""
     RevokeDevice: _grpc.UnaryUnaryMultiCallable[_control_service_pb2.RevokeDeviceRequest, _control_service_pb2.RevokeDeviceResponse]
     """Revokes a device's credential; its calls get UNAUTHENTICATED from then on and it is not sampled."""
+    ApproveDevice: _grpc.UnaryUnaryMultiCallable[_control_service_pb2.ApproveDeviceRequest, _control_service_pb2.ApproveDeviceResponse]
+    """Approves a device enrolled in DEVICE_STATE_PENDING (a coordinator that requires approval): it
+    becomes DEVICE_STATE_ONLINE and may take part in jobs. An approved device is returned as it is; a
+    revoked one gets FAILED_PRECONDITION, an unknown one NOT_FOUND.
+    """
     UploadModel: _grpc.StreamUnaryMultiCallable[_control_service_pb2.UploadModelRequest, _control_service_pb2.UploadModelResponse]
     """Uploads a model (a serialized `Dxo` of kind WEIGHTS) in chunks, as a content-addressed blob.
     Resumable in the same way as RunnerService.UploadBlob.
@@ -70,7 +75,8 @@ class ControlServiceStub:
     """Tells how many bytes of a model upload the coordinator holds, to resume it."""
     DownloadModel: _grpc.UnaryStreamMultiCallable[_control_service_pb2.DownloadModelRequest, _control_service_pb2.DownloadModelResponse]
     """Downloads a job's model (the final one, or a kept round's checkpoint) as a serialized `Dxo` of kind
-    WEIGHTS, in chunks. A round that was not kept gets NOT_FOUND.
+    WEIGHTS, in chunks. A round that was not kept gets NOT_FOUND; a model whose stored bytes no longer
+    match its SHA-256 gets DATA_LOSS before any chunk is sent.
     """
 
 @_typing.type_check_only
@@ -107,6 +113,11 @@ class ControlServiceAsyncStub(ControlServiceStub):
     """Lists enrolled devices, a page at a time."""
     RevokeDevice: _aio.UnaryUnaryMultiCallable[_control_service_pb2.RevokeDeviceRequest, _control_service_pb2.RevokeDeviceResponse]  # type: ignore[assignment]
     """Revokes a device's credential; its calls get UNAUTHENTICATED from then on and it is not sampled."""
+    ApproveDevice: _aio.UnaryUnaryMultiCallable[_control_service_pb2.ApproveDeviceRequest, _control_service_pb2.ApproveDeviceResponse]  # type: ignore[assignment]
+    """Approves a device enrolled in DEVICE_STATE_PENDING (a coordinator that requires approval): it
+    becomes DEVICE_STATE_ONLINE and may take part in jobs. An approved device is returned as it is; a
+    revoked one gets FAILED_PRECONDITION, an unknown one NOT_FOUND.
+    """
     UploadModel: _aio.StreamUnaryMultiCallable[_control_service_pb2.UploadModelRequest, _control_service_pb2.UploadModelResponse]  # type: ignore[assignment]
     """Uploads a model (a serialized `Dxo` of kind WEIGHTS) in chunks, as a content-addressed blob.
     Resumable in the same way as RunnerService.UploadBlob.
@@ -115,7 +126,8 @@ class ControlServiceAsyncStub(ControlServiceStub):
     """Tells how many bytes of a model upload the coordinator holds, to resume it."""
     DownloadModel: _aio.UnaryStreamMultiCallable[_control_service_pb2.DownloadModelRequest, _control_service_pb2.DownloadModelResponse]  # type: ignore[assignment]
     """Downloads a job's model (the final one, or a kept round's checkpoint) as a serialized `Dxo` of kind
-    WEIGHTS, in chunks. A round that was not kept gets NOT_FOUND.
+    WEIGHTS, in chunks. A round that was not kept gets NOT_FOUND; a model whose stored bytes no longer
+    match its SHA-256 gets DATA_LOSS before any chunk is sent.
     """
 
 class ControlServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -199,6 +211,17 @@ class ControlServiceServicer(metaclass=_abc_1.ABCMeta):
         """Revokes a device's credential; its calls get UNAUTHENTICATED from then on and it is not sampled."""
 
     @_abc_1.abstractmethod
+    def ApproveDevice(
+        self,
+        request: _control_service_pb2.ApproveDeviceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_control_service_pb2.ApproveDeviceResponse, _abc.Awaitable[_control_service_pb2.ApproveDeviceResponse]]:
+        """Approves a device enrolled in DEVICE_STATE_PENDING (a coordinator that requires approval): it
+        becomes DEVICE_STATE_ONLINE and may take part in jobs. An approved device is returned as it is; a
+        revoked one gets FAILED_PRECONDITION, an unknown one NOT_FOUND.
+        """
+
+    @_abc_1.abstractmethod
     def UploadModel(
         self,
         request_iterator: _MaybeAsyncIterator[_control_service_pb2.UploadModelRequest],
@@ -223,7 +246,8 @@ class ControlServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_control_service_pb2.DownloadModelResponse], _abc.AsyncIterator[_control_service_pb2.DownloadModelResponse]]:
         """Downloads a job's model (the final one, or a kept round's checkpoint) as a serialized `Dxo` of kind
-        WEIGHTS, in chunks. A round that was not kept gets NOT_FOUND.
+        WEIGHTS, in chunks. A round that was not kept gets NOT_FOUND; a model whose stored bytes no longer
+        match its SHA-256 gets DATA_LOSS before any chunk is sent.
         """
 
 def add_ControlServiceServicer_to_server(servicer: ControlServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -127,14 +127,16 @@ class EnrollRequest(_message.Message):
     FAILED_PRECONDITION with a message naming the version to upgrade to.
     """
     request_id: _builtins.str
-    """Client-chosen unique id (a UUID) for idempotent retries of this call."""
+    """Client-chosen random id (a UUID, at least 16 characters) for retries of this call; see Enroll."""
     @_builtins.property
     def device_info(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """Describes the device: platform, app version, capabilities. Used by job selectors."""
+        """Describes the device: platform, app version, capabilities. Recorded at enrolment; job selectors
+        match it. At most 64 entries and 16 KiB of UTF-8 keys and values.
+        """
 
     @_builtins.property
     def user_info(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """Describes the device's user, if any."""
+        """Describes the device's user, if any. Capped like device_info."""
 
     def __init__(
         self,
@@ -162,6 +164,7 @@ class EnrollResponse(_message.Message):
     DEVICE_ID_FIELD_NUMBER: _builtins.int
     DEVICE_CREDENTIAL_FIELD_NUMBER: _builtins.int
     PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
     device_id: _builtins.str
     """The device's stable identifier, assigned by the coordinator."""
     device_credential: _builtins.str
@@ -170,16 +173,21 @@ class EnrollResponse(_message.Message):
     """
     protocol_version: _builtins.str
     """The device protocol version the coordinator speaks."""
+    state: _states_pb2.DeviceState.ValueType
+    """DEVICE_STATE_ONLINE, or DEVICE_STATE_PENDING when the coordinator requires an operator's
+    approval first (`fedlink device approve DEVICE_ID`); the credential is valid either way.
+    """
     def __init__(
         self,
         *,
         device_id: _builtins.str = ...,
         device_credential: _builtins.str = ...,
         protocol_version: _builtins.str = ...,
+        state: _states_pb2.DeviceState.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_credential", b"device_credential", "device_id", b"device_id", "protocol_version", b"protocol_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_credential", b"device_credential", "device_id", b"device_id", "protocol_version", b"protocol_version", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -237,16 +245,21 @@ class GetJobRequest(_message.Message):
     CAPABILITIES_FIELD_NUMBER: _builtins.int
     PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
     job_name: _builtins.str
-    """Only a job with this name; empty means any job the device is eligible for."""
+    """Only a job with this name; empty means any job the device is eligible for. The coordinator
+    remembers what the device last asked for: it is sampled only for jobs of that name (any job if
+    empty).
+    """
     protocol_version: _builtins.str
     """The device protocol version the runner speaks; see EnrollRequest.protocol_version."""
     @_builtins.property
     def device_info(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """Current device description (may have changed since enrolment, e.g. a new app version)."""
+        """Current device description (may have changed since enrolment, e.g. a new app version); for logs
+        only. Job selectors match the device_info recorded at enrolment, never this one.
+        """
 
     @_builtins.property
     def user_info(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """Current user description."""
+        """Current user description; for logs only."""
 
     @_builtins.property
     def capabilities(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -791,3 +804,55 @@ class DownloadBlobResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DownloadBlobResponse: _TypeAlias = DownloadBlobResponse  # noqa: Y015
+
+@_typing.final
+class SignOffRequest(_message.Message):
+    """Request for SignOff."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REASON_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    """Why the device stops (e.g. "session done", "SIGTERM"), for the operator."""
+    request_id: _builtins.str
+    """Client-chosen unique id (a UUID) for idempotent retries of this call."""
+    def __init__(
+        self,
+        *,
+        reason: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SignOffRequest: _TypeAlias = SignOffRequest  # noqa: Y015
+
+@_typing.final
+class SignOffResponse(_message.Message):
+    """Response for SignOff."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATUS_FIELD_NUMBER: _builtins.int
+    RELEASED_ASSIGNMENTS_FIELD_NUMBER: _builtins.int
+    status: Global___RunnerStatus.ValueType
+    """OK."""
+    released_assignments: _builtins.int
+    """How many assignments the device still held and gave back."""
+    def __init__(
+        self,
+        *,
+        status: Global___RunnerStatus.ValueType = ...,
+        released_assignments: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["released_assignments", b"released_assignments", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SignOffResponse: _TypeAlias = SignOffResponse  # noqa: Y015

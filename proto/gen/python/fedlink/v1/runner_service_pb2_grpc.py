@@ -37,7 +37,14 @@ class RunnerServiceStub:
     Normal outcomes come back in the response's `status`; faults come back as gRPC status codes, never
     both. Faults: INVALID_ARGUMENT (malformed request or payload), NOT_FOUND (unknown id),
     FAILED_PRECONDITION (incompatible protocol version, conflicting report), RESOURCE_EXHAUSTED (payload
-    over the limit), UNAVAILABLE (coordinator shutting down; retry with backoff).
+    over the limit, or a rate or cap reached), UNAVAILABLE (coordinator shutting down; retry with
+    backoff). A fault the caller should retry later carries a `google.rpc.RetryInfo` in the standard
+    `grpc-status-details-bin` trailer (a serialized `google.rpc.Status`): its `retry_delay` says when.
+
+    Liveness: a device counts as online while it calls (a GetJob or GetTask poll comes at least every
+    long-poll wait plus GetJob's `retry_after`) or holds a lease. Only online devices that asked for
+    work of a job's name with GetJob (or for any job) are sampled for its rounds; a runner that stops
+    says so with SignOff.
     """
 
     def __init__(self, channel):
@@ -91,6 +98,11 @@ class RunnerServiceStub:
                 request_serializer=fedlink_dot_v1_dot_runner__service__pb2.DownloadBlobRequest.SerializeToString,
                 response_deserializer=fedlink_dot_v1_dot_runner__service__pb2.DownloadBlobResponse.FromString,
                 _registered_method=True)
+        self.SignOff = channel.unary_unary(
+                '/fedlink.v1.RunnerService/SignOff',
+                request_serializer=fedlink_dot_v1_dot_runner__service__pb2.SignOffRequest.SerializeToString,
+                response_deserializer=fedlink_dot_v1_dot_runner__service__pb2.SignOffResponse.FromString,
+                _registered_method=True)
 
 
 class RunnerServiceServicer:
@@ -105,20 +117,39 @@ class RunnerServiceServicer:
     Normal outcomes come back in the response's `status`; faults come back as gRPC status codes, never
     both. Faults: INVALID_ARGUMENT (malformed request or payload), NOT_FOUND (unknown id),
     FAILED_PRECONDITION (incompatible protocol version, conflicting report), RESOURCE_EXHAUSTED (payload
-    over the limit), UNAVAILABLE (coordinator shutting down; retry with backoff).
+    over the limit, or a rate or cap reached), UNAVAILABLE (coordinator shutting down; retry with
+    backoff). A fault the caller should retry later carries a `google.rpc.RetryInfo` in the standard
+    `grpc-status-details-bin` trailer (a serialized `google.rpc.Status`): its `retry_delay` says when.
+
+    Liveness: a device counts as online while it calls (a GetJob or GetTask poll comes at least every
+    long-poll wait plus GetJob's `retry_after`) or holds a lease. Only online devices that asked for
+    work of a job's name with GetJob (or for any job) are sampled for its rounds; a runner that stops
+    says so with SignOff.
     """
 
     def Enroll(self, request, context):
         """Enrols a device and returns its credential. Needs the coordinator's join secret unless the
-        coordinator runs with open enrolment. Repeating the call with the same `request_id` returns the
-        same device.
+        coordinator runs with open enrolment.
+
+        Retries: repeating the call with the same `request_id` returns the same device and credential,
+        but only within the coordinator's replay window (minutes) after the first call and only for a
+        request identical to the first (same join secret, device_info, user_info and protocol_version).
+        Otherwise it gets ALREADY_EXISTS and the credential is not shown again: enrol with a new
+        `request_id`.
+
+        Limits: device_info and user_info are capped in entries and bytes (INVALID_ARGUMENT). A
+        coordinator may cap the number of enrolled devices and the rate of enrolments: either gets
+        RESOURCE_EXHAUSTED with a RetryInfo. A coordinator that requires approval enrols new devices in
+        DEVICE_STATE_PENDING (see EnrollResponse.state) until an operator approves them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetJob(self, request, context):
-        """Asks for a job to take part in. Statuses: OK, RETRY, NO_JOB, DONE.
+        """Asks for a job to take part in. Statuses: OK, RETRY, NO_JOB, DONE. The job's device selector is
+        matched against the device_info recorded at enrolment. A device awaiting approval gets RETRY with
+        a `message` saying so; its other calls, except SignOff, get PERMISSION_DENIED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -163,6 +194,11 @@ class RunnerServiceServicer:
         bytes arrived and their SHA-256 matches; a mismatch gets INVALID_ARGUMENT and discards the upload.
         Each device's upload is its own, and is how the device proves it holds the bytes: a blob another
         device stored already is uploaded again in full (the coordinator keeps one copy).
+
+        Quota: the bytes of a device's uploads it has not used yet (partial ones, and complete ones it has
+        not reported as a result) are capped; a new upload over the cap gets RESOURCE_EXHAUSTED with a
+        RetryInfo. Unused uploads are deleted after a while (a partial one once idle for long), so an
+        upload is best reported soon after it completes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -178,7 +214,18 @@ class RunnerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DownloadBlob(self, request, context):
-        """Downloads a blob that a task refers to, in chunks, from an offset (to resume).
+        """Downloads a blob that a task refers to, in chunks, from an offset (to resume). A blob whose stored
+        bytes no longer match its SHA-256 gets DATA_LOSS before any chunk is sent (and fails its job).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SignOff(self, request, context):
+        """Says that the device stops taking part for now: its runner ended its session, is shutting down or
+        gave its work back to exit. The device is not sampled for new rounds until it calls again (any
+        call but SignOff brings it back), and assignments it still holds are released so that their tasks
+        go to other devices. Repeating it changes nothing. Statuses: OK.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -232,6 +279,11 @@ def add_RunnerServiceServicer_to_server(servicer, server):
                     request_deserializer=fedlink_dot_v1_dot_runner__service__pb2.DownloadBlobRequest.FromString,
                     response_serializer=fedlink_dot_v1_dot_runner__service__pb2.DownloadBlobResponse.SerializeToString,
             ),
+            'SignOff': grpc.unary_unary_rpc_method_handler(
+                    servicer.SignOff,
+                    request_deserializer=fedlink_dot_v1_dot_runner__service__pb2.SignOffRequest.FromString,
+                    response_serializer=fedlink_dot_v1_dot_runner__service__pb2.SignOffResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'fedlink.v1.RunnerService', rpc_method_handlers)
@@ -252,7 +304,14 @@ class RunnerService:
     Normal outcomes come back in the response's `status`; faults come back as gRPC status codes, never
     both. Faults: INVALID_ARGUMENT (malformed request or payload), NOT_FOUND (unknown id),
     FAILED_PRECONDITION (incompatible protocol version, conflicting report), RESOURCE_EXHAUSTED (payload
-    over the limit), UNAVAILABLE (coordinator shutting down; retry with backoff).
+    over the limit, or a rate or cap reached), UNAVAILABLE (coordinator shutting down; retry with
+    backoff). A fault the caller should retry later carries a `google.rpc.RetryInfo` in the standard
+    `grpc-status-details-bin` trailer (a serialized `google.rpc.Status`): its `retry_delay` says when.
+
+    Liveness: a device counts as online while it calls (a GetJob or GetTask poll comes at least every
+    long-poll wait plus GetJob's `retry_after`) or holds a lease. Only online devices that asked for
+    work of a job's name with GetJob (or for any job) are sampled for its rounds; a runner that stops
+    says so with SignOff.
     """
 
     @staticmethod
@@ -488,6 +547,33 @@ class RunnerService:
             '/fedlink.v1.RunnerService/DownloadBlob',
             fedlink_dot_v1_dot_runner__service__pb2.DownloadBlobRequest.SerializeToString,
             fedlink_dot_v1_dot_runner__service__pb2.DownloadBlobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SignOff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedlink.v1.RunnerService/SignOff',
+            fedlink_dot_v1_dot_runner__service__pb2.SignOffRequest.SerializeToString,
+            fedlink_dot_v1_dot_runner__service__pb2.SignOffResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,7 +38,14 @@ class RunnerServiceStub:
     Normal outcomes come back in the response's `status`; faults come back as gRPC status codes, never
     both. Faults: INVALID_ARGUMENT (malformed request or payload), NOT_FOUND (unknown id),
     FAILED_PRECONDITION (incompatible protocol version, conflicting report), RESOURCE_EXHAUSTED (payload
-    over the limit), UNAVAILABLE (coordinator shutting down; retry with backoff).
+    over the limit, or a rate or cap reached), UNAVAILABLE (coordinator shutting down; retry with
+    backoff). A fault the caller should retry later carries a `google.rpc.RetryInfo` in the standard
+    `grpc-status-details-bin` trailer (a serialized `google.rpc.Status`): its `retry_delay` says when.
+
+    Liveness: a device counts as online while it calls (a GetJob or GetTask poll comes at least every
+    long-poll wait plus GetJob's `retry_after`) or holds a lease. Only online devices that asked for
+    work of a job's name with GetJob (or for any job) are sampled for its rounds; a runner that stops
+    says so with SignOff.
     """
 
     @_typing.overload
@@ -47,11 +54,24 @@ class RunnerServiceStub:
     def __new__(cls, channel: _aio.Channel) -> RunnerServiceAsyncStub: ...
     Enroll: _grpc.UnaryUnaryMultiCallable[_runner_service_pb2.EnrollRequest, _runner_service_pb2.EnrollResponse]
     """Enrols a device and returns its credential. Needs the coordinator's join secret unless the
-    coordinator runs with open enrolment. Repeating the call with the same `request_id` returns the
-    same device.
+    coordinator runs with open enrolment.
+
+    Retries: repeating the call with the same `request_id` returns the same device and credential,
+    but only within the coordinator's replay window (minutes) after the first call and only for a
+    request identical to the first (same join secret, device_info, user_info and protocol_version).
+    Otherwise it gets ALREADY_EXISTS and the credential is not shown again: enrol with a new
+    `request_id`.
+
+    Limits: device_info and user_info are capped in entries and bytes (INVALID_ARGUMENT). A
+    coordinator may cap the number of enrolled devices and the rate of enrolments: either gets
+    RESOURCE_EXHAUSTED with a RetryInfo. A coordinator that requires approval enrols new devices in
+    DEVICE_STATE_PENDING (see EnrollResponse.state) until an operator approves them.
     """
     GetJob: _grpc.UnaryUnaryMultiCallable[_runner_service_pb2.GetJobRequest, _runner_service_pb2.GetJobResponse]
-    """Asks for a job to take part in. Statuses: OK, RETRY, NO_JOB, DONE."""
+    """Asks for a job to take part in. Statuses: OK, RETRY, NO_JOB, DONE. The job's device selector is
+    matched against the device_info recorded at enrolment. A device awaiting approval gets RETRY with
+    a `message` saying so; its other calls, except SignOff, get PERMISSION_DENIED.
+    """
     GetTask: _grpc.UnaryUnaryMultiCallable[_runner_service_pb2.GetTaskRequest, _runner_service_pb2.GetTaskResponse]
     """Long-polls for the next task of a job. The coordinator holds the call until a task is ready or the
     wait ends (bounded by the coordinator). Statuses: OK, RETRY, NO_TASK, DONE. A device that holds an
@@ -74,6 +94,11 @@ class RunnerServiceStub:
     bytes arrived and their SHA-256 matches; a mismatch gets INVALID_ARGUMENT and discards the upload.
     Each device's upload is its own, and is how the device proves it holds the bytes: a blob another
     device stored already is uploaded again in full (the coordinator keeps one copy).
+
+    Quota: the bytes of a device's uploads it has not used yet (partial ones, and complete ones it has
+    not reported as a result) are capped; a new upload over the cap gets RESOURCE_EXHAUSTED with a
+    RetryInfo. Unused uploads are deleted after a while (a partial one once idle for long), so an
+    upload is best reported soon after it completes.
     """
     GetBlobUploadStatus: _grpc.UnaryUnaryMultiCallable[_runner_service_pb2.GetBlobUploadStatusRequest, _runner_service_pb2.GetBlobUploadStatusResponse]
     """Tells how many bytes of this device's own upload the coordinator holds, to resume after a dropped
@@ -81,7 +106,15 @@ class RunnerServiceStub:
     received, whether or not it is stored.
     """
     DownloadBlob: _grpc.UnaryStreamMultiCallable[_runner_service_pb2.DownloadBlobRequest, _runner_service_pb2.DownloadBlobResponse]
-    """Downloads a blob that a task refers to, in chunks, from an offset (to resume)."""
+    """Downloads a blob that a task refers to, in chunks, from an offset (to resume). A blob whose stored
+    bytes no longer match its SHA-256 gets DATA_LOSS before any chunk is sent (and fails its job).
+    """
+    SignOff: _grpc.UnaryUnaryMultiCallable[_runner_service_pb2.SignOffRequest, _runner_service_pb2.SignOffResponse]
+    """Says that the device stops taking part for now: its runner ended its session, is shutting down or
+    gave its work back to exit. The device is not sampled for new rounds until it calls again (any
+    call but SignOff brings it back), and assignments it still holds are released so that their tasks
+    go to other devices. Repeating it changes nothing. Statuses: OK.
+    """
 
 @_typing.type_check_only
 class RunnerServiceAsyncStub(RunnerServiceStub):
@@ -96,17 +129,37 @@ class RunnerServiceAsyncStub(RunnerServiceStub):
     Normal outcomes come back in the response's `status`; faults come back as gRPC status codes, never
     both. Faults: INVALID_ARGUMENT (malformed request or payload), NOT_FOUND (unknown id),
     FAILED_PRECONDITION (incompatible protocol version, conflicting report), RESOURCE_EXHAUSTED (payload
-    over the limit), UNAVAILABLE (coordinator shutting down; retry with backoff).
+    over the limit, or a rate or cap reached), UNAVAILABLE (coordinator shutting down; retry with
+    backoff). A fault the caller should retry later carries a `google.rpc.RetryInfo` in the standard
+    `grpc-status-details-bin` trailer (a serialized `google.rpc.Status`): its `retry_delay` says when.
+
+    Liveness: a device counts as online while it calls (a GetJob or GetTask poll comes at least every
+    long-poll wait plus GetJob's `retry_after`) or holds a lease. Only online devices that asked for
+    work of a job's name with GetJob (or for any job) are sampled for its rounds; a runner that stops
+    says so with SignOff.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Enroll: _aio.UnaryUnaryMultiCallable[_runner_service_pb2.EnrollRequest, _runner_service_pb2.EnrollResponse]  # type: ignore[assignment]
     """Enrols a device and returns its credential. Needs the coordinator's join secret unless the
-    coordinator runs with open enrolment. Repeating the call with the same `request_id` returns the
-    same device.
+    coordinator runs with open enrolment.
+
+    Retries: repeating the call with the same `request_id` returns the same device and credential,
+    but only within the coordinator's replay window (minutes) after the first call and only for a
+    request identical to the first (same join secret, device_info, user_info and protocol_version).
+    Otherwise it gets ALREADY_EXISTS and the credential is not shown again: enrol with a new
+    `request_id`.
+
+    Limits: device_info and user_info are capped in entries and bytes (INVALID_ARGUMENT). A
+    coordinator may cap the number of enrolled devices and the rate of enrolments: either gets
+    RESOURCE_EXHAUSTED with a RetryInfo. A coordinator that requires approval enrols new devices in
+    DEVICE_STATE_PENDING (see EnrollResponse.state) until an operator approves them.
     """
     GetJob: _aio.UnaryUnaryMultiCallable[_runner_service_pb2.GetJobRequest, _runner_service_pb2.GetJobResponse]  # type: ignore[assignment]
-    """Asks for a job to take part in. Statuses: OK, RETRY, NO_JOB, DONE."""
+    """Asks for a job to take part in. Statuses: OK, RETRY, NO_JOB, DONE. The job's device selector is
+    matched against the device_info recorded at enrolment. A device awaiting approval gets RETRY with
+    a `message` saying so; its other calls, except SignOff, get PERMISSION_DENIED.
+    """
     GetTask: _aio.UnaryUnaryMultiCallable[_runner_service_pb2.GetTaskRequest, _runner_service_pb2.GetTaskResponse]  # type: ignore[assignment]
     """Long-polls for the next task of a job. The coordinator holds the call until a task is ready or the
     wait ends (bounded by the coordinator). Statuses: OK, RETRY, NO_TASK, DONE. A device that holds an
@@ -129,6 +182,11 @@ class RunnerServiceAsyncStub(RunnerServiceStub):
     bytes arrived and their SHA-256 matches; a mismatch gets INVALID_ARGUMENT and discards the upload.
     Each device's upload is its own, and is how the device proves it holds the bytes: a blob another
     device stored already is uploaded again in full (the coordinator keeps one copy).
+
+    Quota: the bytes of a device's uploads it has not used yet (partial ones, and complete ones it has
+    not reported as a result) are capped; a new upload over the cap gets RESOURCE_EXHAUSTED with a
+    RetryInfo. Unused uploads are deleted after a while (a partial one once idle for long), so an
+    upload is best reported soon after it completes.
     """
     GetBlobUploadStatus: _aio.UnaryUnaryMultiCallable[_runner_service_pb2.GetBlobUploadStatusRequest, _runner_service_pb2.GetBlobUploadStatusResponse]  # type: ignore[assignment]
     """Tells how many bytes of this device's own upload the coordinator holds, to resume after a dropped
@@ -136,7 +194,15 @@ class RunnerServiceAsyncStub(RunnerServiceStub):
     received, whether or not it is stored.
     """
     DownloadBlob: _aio.UnaryStreamMultiCallable[_runner_service_pb2.DownloadBlobRequest, _runner_service_pb2.DownloadBlobResponse]  # type: ignore[assignment]
-    """Downloads a blob that a task refers to, in chunks, from an offset (to resume)."""
+    """Downloads a blob that a task refers to, in chunks, from an offset (to resume). A blob whose stored
+    bytes no longer match its SHA-256 gets DATA_LOSS before any chunk is sent (and fails its job).
+    """
+    SignOff: _aio.UnaryUnaryMultiCallable[_runner_service_pb2.SignOffRequest, _runner_service_pb2.SignOffResponse]  # type: ignore[assignment]
+    """Says that the device stops taking part for now: its runner ended its session, is shutting down or
+    gave its work back to exit. The device is not sampled for new rounds until it calls again (any
+    call but SignOff brings it back), and assignments it still holds are released so that their tasks
+    go to other devices. Repeating it changes nothing. Statuses: OK.
+    """
 
 class RunnerServiceServicer(metaclass=_abc_1.ABCMeta):
     """RunnerService is the device-facing API. A runner enrols once, then loops: GetJob, then GetTask and
@@ -150,7 +216,14 @@ class RunnerServiceServicer(metaclass=_abc_1.ABCMeta):
     Normal outcomes come back in the response's `status`; faults come back as gRPC status codes, never
     both. Faults: INVALID_ARGUMENT (malformed request or payload), NOT_FOUND (unknown id),
     FAILED_PRECONDITION (incompatible protocol version, conflicting report), RESOURCE_EXHAUSTED (payload
-    over the limit), UNAVAILABLE (coordinator shutting down; retry with backoff).
+    over the limit, or a rate or cap reached), UNAVAILABLE (coordinator shutting down; retry with
+    backoff). A fault the caller should retry later carries a `google.rpc.RetryInfo` in the standard
+    `grpc-status-details-bin` trailer (a serialized `google.rpc.Status`): its `retry_delay` says when.
+
+    Liveness: a device counts as online while it calls (a GetJob or GetTask poll comes at least every
+    long-poll wait plus GetJob's `retry_after`) or holds a lease. Only online devices that asked for
+    work of a job's name with GetJob (or for any job) are sampled for its rounds; a runner that stops
+    says so with SignOff.
     """
 
     @_abc_1.abstractmethod
@@ -160,8 +233,18 @@ class RunnerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_runner_service_pb2.EnrollResponse, _abc.Awaitable[_runner_service_pb2.EnrollResponse]]:
         """Enrols a device and returns its credential. Needs the coordinator's join secret unless the
-        coordinator runs with open enrolment. Repeating the call with the same `request_id` returns the
-        same device.
+        coordinator runs with open enrolment.
+
+        Retries: repeating the call with the same `request_id` returns the same device and credential,
+        but only within the coordinator's replay window (minutes) after the first call and only for a
+        request identical to the first (same join secret, device_info, user_info and protocol_version).
+        Otherwise it gets ALREADY_EXISTS and the credential is not shown again: enrol with a new
+        `request_id`.
+
+        Limits: device_info and user_info are capped in entries and bytes (INVALID_ARGUMENT). A
+        coordinator may cap the number of enrolled devices and the rate of enrolments: either gets
+        RESOURCE_EXHAUSTED with a RetryInfo. A coordinator that requires approval enrols new devices in
+        DEVICE_STATE_PENDING (see EnrollResponse.state) until an operator approves them.
         """
 
     @_abc_1.abstractmethod
@@ -170,7 +253,10 @@ class RunnerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _runner_service_pb2.GetJobRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_runner_service_pb2.GetJobResponse, _abc.Awaitable[_runner_service_pb2.GetJobResponse]]:
-        """Asks for a job to take part in. Statuses: OK, RETRY, NO_JOB, DONE."""
+        """Asks for a job to take part in. Statuses: OK, RETRY, NO_JOB, DONE. The job's device selector is
+        matched against the device_info recorded at enrolment. A device awaiting approval gets RETRY with
+        a `message` saying so; its other calls, except SignOff, get PERMISSION_DENIED.
+        """
 
     @_abc_1.abstractmethod
     def GetTask(
@@ -223,6 +309,11 @@ class RunnerServiceServicer(metaclass=_abc_1.ABCMeta):
         bytes arrived and their SHA-256 matches; a mismatch gets INVALID_ARGUMENT and discards the upload.
         Each device's upload is its own, and is how the device proves it holds the bytes: a blob another
         device stored already is uploaded again in full (the coordinator keeps one copy).
+
+        Quota: the bytes of a device's uploads it has not used yet (partial ones, and complete ones it has
+        not reported as a result) are capped; a new upload over the cap gets RESOURCE_EXHAUSTED with a
+        RetryInfo. Unused uploads are deleted after a while (a partial one once idle for long), so an
+        upload is best reported soon after it completes.
         """
 
     @_abc_1.abstractmethod
@@ -242,6 +333,20 @@ class RunnerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _runner_service_pb2.DownloadBlobRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_runner_service_pb2.DownloadBlobResponse], _abc.AsyncIterator[_runner_service_pb2.DownloadBlobResponse]]:
-        """Downloads a blob that a task refers to, in chunks, from an offset (to resume)."""
+        """Downloads a blob that a task refers to, in chunks, from an offset (to resume). A blob whose stored
+        bytes no longer match its SHA-256 gets DATA_LOSS before any chunk is sent (and fails its job).
+        """
+
+    @_abc_1.abstractmethod
+    def SignOff(
+        self,
+        request: _runner_service_pb2.SignOffRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runner_service_pb2.SignOffResponse, _abc.Awaitable[_runner_service_pb2.SignOffResponse]]:
+        """Says that the device stops taking part for now: its runner ended its session, is shutting down or
+        gave its work back to exit. The device is not sampled for new rounds until it calls again (any
+        call but SignOff brings it back), and assignments it still holds are released so that their tasks
+        go to other devices. Repeating it changes nothing. Statuses: OK.
+        """
 
 def add_RunnerServiceServicer_to_server(servicer: RunnerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

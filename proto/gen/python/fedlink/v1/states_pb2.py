@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66\x65\x64link/v1/states.proto\x12\nfedlink.v1*\x98\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x16\n\x12JOB_STATE_FINISHED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x15\n\x11JOB_STATE_ABORTED\x10\x05*\xca\x01\n\x0f\x41ssignmentState\x12 \n\x1c\x41SSIGNMENT_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x41SSIGNMENT_STATE_LEASED\x10\x01\x12\x1e\n\x1a\x41SSIGNMENT_STATE_COMPLETED\x10\x02\x12\x1b\n\x17\x41SSIGNMENT_STATE_FAILED\x10\x03\x12\x1c\n\x18\x41SSIGNMENT_STATE_EXPIRED\x10\x04\x12\x1d\n\x19\x41SSIGNMENT_STATE_RELEASED\x10\x05*x\n\x0b\x44\x65viceState\x12\x1c\n\x18\x44\x45VICE_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x44\x45VICE_STATE_ONLINE\x10\x01\x12\x18\n\x14\x44\x45VICE_STATE_OFFLINE\x10\x02\x12\x18\n\x14\x44\x45VICE_STATE_REVOKED\x10\x03*d\n\x0cResultStatus\x12\x1d\n\x19RESULT_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17RESULT_STATUS_SUCCEEDED\x10\x01\x12\x18\n\x14RESULT_STATUS_FAILED\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66\x65\x64link/v1/states.proto\x12\nfedlink.v1*\x98\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x16\n\x12JOB_STATE_FINISHED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x15\n\x11JOB_STATE_ABORTED\x10\x05*\xca\x01\n\x0f\x41ssignmentState\x12 \n\x1c\x41SSIGNMENT_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x41SSIGNMENT_STATE_LEASED\x10\x01\x12\x1e\n\x1a\x41SSIGNMENT_STATE_COMPLETED\x10\x02\x12\x1b\n\x17\x41SSIGNMENT_STATE_FAILED\x10\x03\x12\x1c\n\x18\x41SSIGNMENT_STATE_EXPIRED\x10\x04\x12\x1d\n\x19\x41SSIGNMENT_STATE_RELEASED\x10\x05*\x92\x01\n\x0b\x44\x65viceState\x12\x1c\n\x18\x44\x45VICE_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x44\x45VICE_STATE_ONLINE\x10\x01\x12\x18\n\x14\x44\x45VICE_STATE_OFFLINE\x10\x02\x12\x18\n\x14\x44\x45VICE_STATE_REVOKED\x10\x03\x12\x18\n\x14\x44\x45VICE_STATE_PENDING\x10\x04*d\n\x0cResultStatus\x12\x1d\n\x19RESULT_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17RESULT_STATUS_SUCCEEDED\x10\x01\x12\x18\n\x14RESULT_STATUS_FAILED\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOBSTATE']._serialized_end=192
   _globals['_ASSIGNMENTSTATE']._serialized_start=195
   _globals['_ASSIGNMENTSTATE']._serialized_end=397
-  _globals['_DEVICESTATE']._serialized_start=399
-  _globals['_DEVICESTATE']._serialized_end=519
-  _globals['_RESULTSTATUS']._serialized_start=521
-  _globals['_RESULTSTATUS']._serialized_end=621
+  _globals['_DEVICESTATE']._serialized_start=400
+  _globals['_DEVICESTATE']._serialized_end=546
+  _globals['_RESULTSTATUS']._serialized_start=548
+  _globals['_RESULTSTATUS']._serialized_end=648
 # @@protoc_insertion_point(module_scope)

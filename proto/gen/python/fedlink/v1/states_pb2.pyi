@@ -101,11 +101,17 @@ class _DeviceStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DeviceSta
     DEVICE_STATE_UNSPECIFIED: _DeviceState.ValueType  # 0
     """Not set; never returned by the coordinator."""
     DEVICE_STATE_ONLINE: _DeviceState.ValueType  # 1
-    """Seen recently; eligible for sampling."""
+    """Seen recently (or holding a lease); eligible for sampling."""
     DEVICE_STATE_OFFLINE: _DeviceState.ValueType  # 2
-    """Not seen for longer than the coordinator's offline threshold; not sampled until it returns."""
+    """Not seen for longer than the coordinator's offline threshold, or signed off; not sampled until
+    it calls again.
+    """
     DEVICE_STATE_REVOKED: _DeviceState.ValueType  # 3
     """Its credential was revoked by an operator; every call with it gets UNAUTHENTICATED."""
+    DEVICE_STATE_PENDING: _DeviceState.ValueType  # 4
+    """Enrolled while the coordinator requires approval, and not approved yet: not sampled, and only
+    GetJob (answering RETRY) and SignOff accept its credential.
+    """
 
 class DeviceState(_DeviceState, metaclass=_DeviceStateEnumTypeWrapper):
     """The state of an enrolled device."""
@@ -113,11 +119,17 @@ class DeviceState(_DeviceState, metaclass=_DeviceStateEnumTypeWrapper):
 DEVICE_STATE_UNSPECIFIED: DeviceState.ValueType  # 0
 """Not set; never returned by the coordinator."""
 DEVICE_STATE_ONLINE: DeviceState.ValueType  # 1
-"""Seen recently; eligible for sampling."""
+"""Seen recently (or holding a lease); eligible for sampling."""
 DEVICE_STATE_OFFLINE: DeviceState.ValueType  # 2
-"""Not seen for longer than the coordinator's offline threshold; not sampled until it returns."""
+"""Not seen for longer than the coordinator's offline threshold, or signed off; not sampled until
+it calls again.
+"""
 DEVICE_STATE_REVOKED: DeviceState.ValueType  # 3
 """Its credential was revoked by an operator; every call with it gets UNAUTHENTICATED."""
+DEVICE_STATE_PENDING: DeviceState.ValueType  # 4
+"""Enrolled while the coordinator requires approval, and not approved yet: not sampled, and only
+GetJob (answering RETRY) and SignOff accept its credential.
+"""
 Global___DeviceState: _TypeAlias = DeviceState  # noqa: Y015
 
 class _ResultStatus:

@@ -101,8 +101,9 @@ class TorchTrainer:
     task, building another only when every one is busy: a runner (one task at a time) builds one
     module for all its tasks and rounds, and a simulation sharing its components (the default) builds
     one per task running at once — the size of its pool — not one per virtual device. Everything in
-    the ``state_dict`` is reset from the task's model; anything else a module keeps between calls
-    survives from task to task. :attr:`models_built` counts the modules built.
+    the ``state_dict`` is reset from the task's model, and the gradients are dropped after training;
+    anything else a module keeps between calls survives from task to task. :attr:`models_built`
+    counts the modules built.
 
     **Determinism.** Each task gets a seed from ``(seed, partition id, meta model_version)``: the
     shuffling of the batches comes from a generator seeded with it (:attr:`TorchTask.generator`),
@@ -328,6 +329,9 @@ class TorchTrainer:
             outcome = self.train(
                 model, self.batches(inputs, labels, shuffle=True, generator=task.generator), task
             )
+            # The gradients belong to this task's model: dropped now rather than kept by the idle
+            # module (a model's worth of memory per module between tasks; the difference reuses it).
+            model.zero_grad(set_to_none=True)
             diff = _difference(model, incoming)
             meta: dict[str, MetaValue] = {MetaKey.NUM_EXAMPLES: len(x)}
             meta.update(_meta_values(outcome or {}))
