@@ -12,6 +12,7 @@ length, read here without decoding anything.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from typing import Final
 
 from google.protobuf.message import Message
@@ -30,37 +31,17 @@ def field_cuts(data: bytes | memoryview, every: int = SLICE_BYTES) -> list[int] 
     Returns None for bytes this scan does not follow (a group, a truncated field, an overlong varint):
     parse those whole, and the runtime says what is wrong with them.
     """
-    n = len(data)
     cuts = [0]
-    pos = 0
     next_cut = every
-    while pos < n:
-        key, pos = _varint(data, pos, n)
-        if pos < 0:
-            return None
-        wire_type = key & 7
-        if wire_type == _LEN:
-            length, pos = _varint(data, pos, n)
-            if pos < 0:
-                return None
-            pos += length
-        elif wire_type == _VARINT:
-            _, pos = _varint(data, pos, n)
-            if pos < 0:
-                return None
-        elif wire_type == _I64:
-            pos += 8
-        elif wire_type == _I32:
-            pos += 4
-        else:
-            return None
-        if pos > n:
-            return None
-        if pos >= next_cut:
-            cuts.append(pos)
-            next_cut = pos + every
-    if cuts[-1] != n:
-        cuts.append(n)
+    try:
+        for _, end in _top_level_fields(data):
+            if end >= next_cut:
+                cuts.append(end)
+                next_cut = end + every
+    except _Unfollowed:
+        return None
+    if cuts[-1] != len(data):
+        cuts.append(len(data))
     return cuts
 
 
@@ -70,35 +51,53 @@ def count_fields(data: bytes | memoryview, number: int, stop_after: int) -> int 
     known to have them without reading the rest. None for bytes the scan does not follow (see
     :func:`field_cuts`).
     """
+    count = 0
+    try:
+        for field, _ in _top_level_fields(data):
+            if field == number:
+                count += 1
+                if count > stop_after:
+                    return count
+    except _Unfollowed:
+        return None
+    return count
+
+
+class _Unfollowed(Exception):
+    """Bytes the scan does not follow (a group, a truncated field, an overlong varint)."""
+
+
+def _top_level_fields(data: bytes | memoryview) -> Iterator[tuple[int, int]]:
+    """Each top-level field's number and the offset just after it, read from tags and lengths alone.
+
+    Raises:
+        _Unfollowed: at the first field the scan does not follow.
+    """
     n = len(data)
-    pos = count = 0
+    pos = 0
     while pos < n:
         key, pos = _varint(data, pos, n)
         if pos < 0:
-            return None
+            raise _Unfollowed
         wire_type = key & 7
         if wire_type == _LEN:
             length, pos = _varint(data, pos, n)
             if pos < 0:
-                return None
+                raise _Unfollowed
             pos += length
         elif wire_type == _VARINT:
             _, pos = _varint(data, pos, n)
             if pos < 0:
-                return None
+                raise _Unfollowed
         elif wire_type == _I64:
             pos += 8
         elif wire_type == _I32:
             pos += 4
         else:
-            return None
+            raise _Unfollowed
         if pos > n:
-            return None
-        if key >> 3 == number:
-            count += 1
-            if count > stop_after:
-                return count
-    return count
+            raise _Unfollowed
+        yield key >> 3, pos
 
 
 def _varint(data: bytes | memoryview, pos: int, n: int) -> tuple[int, int]:
