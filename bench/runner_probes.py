@@ -93,10 +93,10 @@ class _TimedPending(PendingResults):
         super().__init__(pending.path)
         self._probe = probe
 
-    def put(self, request_id: str, data: bytes) -> None:
+    def put(self, request_id: str, data: bytes, *, blob: bytes | None = None) -> None:
         """Writes durably (as the base class does), noting how long it took."""
         start = time.perf_counter()
-        super().put(request_id, data)
+        super().put(request_id, data, blob=blob)
         self._probe.last_put_s = time.perf_counter() - start
 
 

@@ -24,10 +24,10 @@ Sides, each a whole training task:
   as a blob), run :func:`fedlink.runner.loop.execute_task` (the Runner's task step: context, in-filters,
   the job's :class:`~fedlink.runner.executors.torch.TorchTrainer` — load the arrays into the module,
   train with its default loop, take the WEIGHT_DIFF — and out-filters), then encode the result as
-  :class:`~fedlink.runner.transport.grpc_transport.GrpcTransport` does before the network (``to_proto``,
-  ``CopyFrom`` into the ReportResultRequest, the request's ``SerializeToString`` for the pending file
-  and the DXO's for the upload). The durable pending write and the RPCs are not in it (``runner_bench``
-  measures those).
+  :class:`~fedlink.runner.transport.grpc_transport.GrpcTransport` does before the network (its
+  ``encode_report``: ``to_proto``, then for a result above the 2 MiB blob threshold one serialization
+  of the DXO, hashed, and the small request naming it; below it, ``CopyFrom`` into the request). The
+  durable pending write and the RPCs are not in it (``runner_bench`` measures those).
 * **fedlink_fp16**: the same with a ``Float16Compression`` out-filter (the encoding then rounds the
   update to float16).
 
@@ -93,8 +93,9 @@ from fedlink.runner.context import Context, Signal
 from fedlink.runner.data import ArrayDataSource
 from fedlink.runner.executors.torch import Batches, TorchTask, TorchTrainer
 from fedlink.runner.loop import execute_task, job_context
-from fedlink.v1 import runner_service_pb2 as pb
-from fedlink.v1 import states_pb2
+from fedlink.runner.transport.base import ResultReport
+from fedlink.runner.transport.grpc_transport import DEFAULT_BLOB_THRESHOLD_BYTES
+from fedlink.runner.transport.grpc_transport import encode_report as transport_encoding
 
 #: What the fork server imports for its children (this module's imports).
 PRELOAD = (
@@ -300,14 +301,13 @@ def fedlink_side(w: Workload, side: str, x: NDArray[Any], y: NDArray[Any]) -> Fe
 
 
 def encode_report(result: DXO) -> tuple[bytes, bytes]:
-    """What ``GrpcTransport.report_result`` and ``_deliver`` make of a result before the network: the
-    request's bytes (the pending file) and the DXO's (the blob upload, for a result above 2 MiB)."""
-    request = pb.ReportResultRequest(job_id="job", task_id="task", cookie=b"cookie", request_id="request")
-    request.status = states_pb2.RESULT_STATUS_SUCCEEDED
-    request.result.dxo.CopyFrom(result.to_proto())
+    """What ``GrpcTransport.report_result`` makes of a result before the network (its own
+    :func:`~fedlink.runner.transport.grpc_transport.encode_report`, at the default 2 MiB threshold): the
+    request's bytes (the pending file) and the DXO's (the blob it names, or the inline DXO)."""
+    report = ResultReport(job_id="job", task_id="task", cookie=b"cookie", result=result, request_id="request")
+    request, blob = transport_encoding(report, DEFAULT_BLOB_THRESHOLD_BYTES)
     pending = request.SerializeToString(deterministic=True)
-    data = request.result.dxo.SerializeToString(deterministic=True)
-    return pending, data
+    return pending, blob if blob is not None else request.result.dxo.SerializeToString(deterministic=True)
 
 
 def fedlink_task(side: FedlinkSide, wire: list[bytes]) -> tuple[dict[str, float], DXO]:

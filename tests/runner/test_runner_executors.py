@@ -221,6 +221,14 @@ def test_the_data_source_arg_overrides_the_context(digits: Split) -> None:
     assert result.meta[MetaKey.NUM_EXAMPLES] == 40
 
 
+@pytest.mark.parametrize("context", [Context(), Context({ContextKey.DATA_SOURCE: None})])
+def test_a_device_without_data_is_told_where_data_comes_from(context: Context) -> None:
+    # A runner or virtual device started without --data sets no source (or None): the trainer says so.
+    trainer = SoftmaxRegressionTrainer()
+    with pytest.raises(FailedPrecondition, match=r"no data to train or evaluate on: give the runner --data"):
+        trainer.execute(_weights(SoftmaxRegressionTrainer.init_weights(64, 10)), context, Signal())
+
+
 def test_bad_inputs_are_clear_errors(digits_source: ArrayDataSource) -> None:
     trainer = SoftmaxRegressionTrainer()
     good = SoftmaxRegressionTrainer.init_weights(64, 10)
@@ -234,7 +242,7 @@ def test_bad_inputs_are_clear_errors(digits_source: ArrayDataSource) -> None:
         )
     with pytest.raises(InvalidArgument, match=r"labels range over \[0, 9\]; the model has 5 classes"):
         trainer.execute(_weights(SoftmaxRegressionTrainer.init_weights(64, 5)), _ctx(digits_source), Signal())
-    with pytest.raises(FailedPrecondition, match="'data_source'"):
+    with pytest.raises(FailedPrecondition, match="no data to train or evaluate on"):
         trainer.execute(_weights(good), Context({ContextKey.TASK_NAME: "train"}), Signal())
     no_eval = ArrayDataSource({"train": (np.zeros((2, 64)), np.zeros(2, dtype=int))})
     with pytest.raises(FailedPrecondition, match=r"no non-empty dataset among \['valid', 'test'\]"):

@@ -118,6 +118,20 @@ class Context(dict[str, Any]):
         except KeyError:
             raise FailedPrecondition(f"the context has no {key!r}; the runner did not set it") from None
 
+    def data_source(self) -> Any:
+        """The device's data source (a :class:`~fedlink.runner.data.DataSource`).
+
+        Raises:
+            FailedPrecondition: The device has none (the message says where one comes from).
+        """
+        source = self.get(ContextKey.DATA_SOURCE)
+        if source is None:
+            raise FailedPrecondition(
+                "this device has no data to train or evaluate on: give the runner --data (fedlink simulate:"
+                " --data or [simulation] data), or name a data source in the trainer's args"
+            )
+        return source
+
     def fire_event(self, event_type: str, event_data: Any) -> None:
         """Call every handler under :attr:`ContextKey.EVENT_HANDLERS`, in order, with this context."""
         handlers: Iterable[Any] = self.get(ContextKey.EVENT_HANDLERS) or ()

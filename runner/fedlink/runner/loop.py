@@ -596,12 +596,14 @@ class Runner:
             return _as_dxo(await self.worker.run(work), f"worker {type(self.worker).__name__}"), ""
         except Aborted as exc:
             return exc
+        except _ConfigRefused as exc:
+            return str(exc)  # already "job config: <error type>: <message>"
         except Exception as exc:  # any bug in user code becomes a failed result, never a dead daemon
             return f"{type(exc).__name__}: {exc}"
 
     def _execute(self, job: _Job, offer: TaskOffer, signal: Signal) -> DXO:
         if job.config is None:
-            raise InvalidArgument(job.config_error)
+            raise _ConfigRefused(job.config_error)
         return execute_task(
             job.config,
             job.ctx,
@@ -612,6 +614,10 @@ class Runner:
             app_out_filters=self.app_out_filters,
             signal=signal,
         )
+
+
+class _ConfigRefused(Exception):
+    """A task of a job whose config this device refused; its message is the whole report."""
 
 
 def job_context(

@@ -148,6 +148,8 @@ async def test_a_broken_task_is_reported_failed_with_its_cause(
     failed = [r for r in await results_of(control, job_id) if r.status.value == "FAILED"]
     assert failed, "the coordinator has no failed result"
     assert message in failed[0].error_message
+    if message.startswith("job config:"):  # said once, not behind another error's name
+        assert failed[0].error_message.startswith(message)
 
 
 async def test_a_component_type_from_an_allowed_module_is_imported_and_trains(

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import threading
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
+from fedlink.common.dxo import DXO
 from fedlink.common.errors import InvalidArgument
+from fedlink.runner.config import ResolverRegistry
+from fedlink.runner.context import Context, Signal
 from fedlink.runner.data import NpzDataSource
 from fedlink.runner.loop import Runner
 from fedlink.runner.settings import load_runner_settings
@@ -51,6 +56,91 @@ async def test_task_and_result_travel_as_blobs_when_large(tmp_path: Path) -> Non
         await asyncio.sleep(0.05)  # the server counts a call after its reply went out
         assert _ok_calls(coordinator, "UploadBlob") >= 2
         assert _ok_calls(coordinator, "DownloadBlob") >= 2
+
+
+class _Gated:
+    """Returns the model plus one, once the test opens the gate (a result the test can hold back)."""
+
+    started = threading.Event()
+    gate = threading.Event()
+
+    def execute(self, dxo: DXO, ctx: Context, abort_signal: Signal) -> DXO:
+        type(self).started.set()
+        type(self).gate.wait(30)
+        return DXO(kind=dxo.kind, data={k: v + 1 for k, v in dxo.data.items()}, meta={"num_examples": 3})
+
+
+async def test_a_large_result_is_kept_with_its_blob_and_resent_after_an_outage(tmp_path: Path) -> None:
+    # The coordinator goes away while the device trains: the large result is kept on disk as a request
+    # naming a blob by hash plus the blob (serialized once), and a runner started later against the
+    # restarted coordinator uploads that same blob and reports it; nothing is left behind.
+    settings = coordinator_settings(
+        tmp_path / "coordinator", inline_payload_bytes=512, component_types=("Gated",)
+    )
+    state, pending = tmp_path / "state", tmp_path / "state" / "pending"
+    job = {"components": [{"type": "Gated", "name": "g"}], "executors": {"*": "@g"}}
+    registry = ResolverRegistry({"Gated": _Gated})
+    _Gated.gate.clear()
+    _Gated.started.clear()
+    async with serving(settings) as control:
+        job_id = await control.submit(zero_softmax_model(), job, rounds=1, devices=1)
+        first = Runner(
+            "", None, {}, {}, 2.0,
+            transport=transport(control.address, state, blob_threshold_bytes=512, chunk_bytes=256),
+            resolver_registry=registry,
+        )  # fmt: skip
+        running = asyncio.create_task(first.run_async())
+        # The device holds its task and trains (the model downloaded): now the coordinator goes.
+        assert await asyncio.to_thread(_Gated.started.wait, 30), "the device never started training"
+    # The coordinator is down; the device finishes and keeps its result.
+    _Gated.gate.set()
+    for _ in range(600):
+        if list(pending.glob("*.pb")) and list(pending.glob("*.blob")):
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("no pending request and blob on disk")
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    [kept] = pending.glob("*.blob")
+    kept_sha = hashlib.sha256(kept.read_bytes()).hexdigest()
+    assert DXO.from_bytes(kept.read_bytes()).data["weight"].max() == 1.0
+
+    async with serving(settings) as control:
+        second = Runner(
+            "", None, {}, {}, 3.0,
+            transport=transport(control.address, state, blob_threshold_bytes=512, chunk_bytes=256),
+            resolver_registry=registry,
+        )  # fmt: skip
+        await asyncio.wait_for(second.run_async(), 60)
+        store = control.coordinator.store
+        assert store is not None
+        for _ in range(600):
+            if (await control.describe(job_id)).state == states_pb2.JOB_STATE_FINISHED:
+                break
+            await asyncio.sleep(0.05)
+        run = await store.get_current_run(job_id)
+        [result] = await store.list_results(run_id=run.run_id, accepted_only=False)
+        assert result.accepted
+        assert result.payload_sha256 == kept_sha
+        final = await control.model(job_id)
+    assert list(pending.iterdir()) == []
+    assert float(final.data["weight"].max()) == 1.0
+
+
+def test_a_kept_blob_without_its_request_is_removed(tmp_path: Path) -> None:
+    from fedlink.runner.transport.state import PendingResults
+
+    pending = PendingResults(tmp_path / "pending")
+    pending.put("kept", b"request", blob=b"blob")
+    (tmp_path / "pending" / "orphan.blob").write_bytes(b"left by a crash between the two writes")
+    assert pending.items() == [("kept", b"request")]
+    assert pending.blob("kept") == b"blob"
+    assert sorted(p.name for p in (tmp_path / "pending").iterdir()) == ["kept.blob", "kept.pb"]
+    moved = pending.reject("kept")
+    assert moved.read_bytes() == b"request" and moved.with_suffix(".blob").read_bytes() == b"blob"
+    assert pending.items() == [] and pending.blob("kept") is None
 
 
 def _ok_calls(coordinator: Coordinator, method: str) -> float:

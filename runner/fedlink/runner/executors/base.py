@@ -202,7 +202,7 @@ class NumpyTrainer(ABC):
     def _source(self, ctx: Context) -> DataSource:
         if self.data_source is not None:
             return self.data_source
-        source: DataSource = ctx.require(ContextKey.DATA_SOURCE)
+        source: DataSource = ctx.data_source()
         return source
 
     def _load(

@@ -107,6 +107,8 @@ _ERRORS: Final[dict[grpc.StatusCode, type[FedlinkError]]] = {
 #: Replies after which a pending result is settled (the coordinator has it, or no longer wants it).
 _SETTLED: Final = frozenset({Status.OK, Status.STALE, Status.DONE})
 #: Faults after which a pending result can never be delivered.
+#: Results larger than this (serialized) go through UploadBlob and are reported by hash.
+DEFAULT_BLOB_THRESHOLD_BYTES: Final = 2 * 1024**2
 _REFUSED: Final = (InvalidArgument, NotFound, FailedPrecondition, PermissionDenied, ResourceExhausted)
 
 
@@ -139,7 +141,7 @@ class GrpcTransportConfig:
     """Waits between retries of a failed call."""
     limited_retries: int = 5
     """Retries of RESOURCE_EXHAUSTED, INTERNAL and UNKNOWN before giving up."""
-    blob_threshold_bytes: int = 2 * 1024**2
+    blob_threshold_bytes: int = DEFAULT_BLOB_THRESHOLD_BYTES
     """Results larger than this are uploaded as a blob rather than sent inline."""
     chunk_bytes: int = 1024**2
     """Chunk size of blob uploads and downloads (the protocol's upper bound is 1 MiB)."""
@@ -443,22 +445,11 @@ class GrpcTransport(Transport):
     # ---- results ----
     async def report_result(self, report: ResultReport) -> Ack:
         """Reports durably: on disk first, deleted once the coordinator settled it (OK/STALE/DONE)."""
-        request_id = report.request_id or str(uuid.uuid4())
-        request = pb.ReportResultRequest(
-            job_id=report.job_id,
-            task_id=report.task_id,
-            cookie=report.cookie,
-            request_id=request_id,
-            error_message=report.error_message[:4000],
-        )
-        if report.result is not None:
-            request.status = states_pb2.RESULT_STATUS_SUCCEEDED
-            request.result.dxo.CopyFrom(report.result.to_proto())
-        else:
-            request.status = states_pb2.RESULT_STATUS_FAILED
-        self.state.pending.put(request_id, request.SerializeToString(deterministic=True))
+        request, blob = encode_report(report, self.config.blob_threshold_bytes)
+        request_id = request.request_id
+        self.state.pending.put(request_id, request.SerializeToString(deterministic=True), blob=blob)
         try:
-            return await self._deliver(request)
+            return await self._deliver(request, blob)
         except _REFUSED:
             # Retrying cannot help (e.g. a different result for the same task): set it aside.
             self.state.pending.reject(request_id)
@@ -473,7 +464,7 @@ class GrpcTransport(Transport):
                 "re-sending a pending result", extra={"request_id": request_id, "task_id": request.task_id}
             )
             try:
-                acks.append(await self._deliver(request))
+                acks.append(await self._deliver(request, self.state.pending.blob(request_id)))
             except _REFUSED as exc:
                 # The coordinator will never take it (e.g. a different result for the same task): keep
                 # it aside for the operator and go on with fresh work.
@@ -484,9 +475,17 @@ class GrpcTransport(Transport):
                 )
         return acks
 
-    async def _deliver(self, request: pb.ReportResultRequest) -> Ack:
+    async def _deliver(self, request: pb.ReportResultRequest, blob: bytes | None) -> Ack:
+        """Sends a request; ``blob``: the bytes of the blob it names, uploaded first (kept with it)."""
         wire = request
-        if request.result.WhichOneof("location") == "dxo":
+        if blob is not None:
+            uploaded = await self.upload_blob(blob)
+            if uploaded != request.result.blob.sha256:
+                raise InvalidArgument(
+                    f"pending result {request.request_id}: its kept blob does not match the hash it names"
+                )
+        elif request.result.WhichOneof("location") == "dxo":
+            # An inline DXO over the threshold (a request kept by an earlier runner version).
             data = request.result.dxo.SerializeToString(deterministic=True)
             if len(data) > self.config.blob_threshold_bytes:
                 sha = await self.upload_blob(data)
@@ -603,6 +602,35 @@ class GrpcTransport(Transport):
                 failures += 1
                 _log.info("blob upload interrupted, resuming", extra={"sha256": sha})
                 await asyncio.sleep(self._retry_delay("UploadBlob", exc, failures))
+
+
+def encode_report(
+    report: ResultReport, blob_threshold_bytes: int
+) -> tuple[pb.ReportResultRequest, bytes | None]:
+    """The ReportResult request for ``report``, and the blob it names when the result is larger than
+    ``blob_threshold_bytes`` (its serialized DXO: serialized once, then kept, hashed and uploaded as is).
+
+    A request id is filled in when the report has none.
+    """
+    request = pb.ReportResultRequest(
+        job_id=report.job_id,
+        task_id=report.task_id,
+        cookie=report.cookie,
+        request_id=report.request_id or str(uuid.uuid4()),
+        error_message=report.error_message[:4000],
+    )
+    if report.result is None:
+        request.status = states_pb2.RESULT_STATUS_FAILED
+        return request, None
+    request.status = states_pb2.RESULT_STATUS_SUCCEEDED
+    message = report.result.to_proto()
+    if message.ByteSize() <= blob_threshold_bytes:
+        request.result.dxo.CopyFrom(message)
+        return request, None
+    blob = message.SerializeToString(deterministic=True)
+    request.result.blob.sha256 = hashlib.sha256(blob).hexdigest()
+    request.result.blob.size_bytes = len(blob)
+    return request, blob
 
 
 async def _upload_parts(

@@ -136,8 +136,10 @@ class PendingResults:
     """Serialized ReportResult requests written before the first attempt, deleted once acknowledged.
 
     Files are named by request id, so a restarted runner re-sends each with its original id and the
-    coordinator answers the original reply instead of storing the result twice. Requests the
-    coordinator refused for good are moved to ``rejected/`` for the operator, not retried forever.
+    coordinator answers the original reply instead of storing the result twice. A result too large to
+    travel inline keeps its serialized DXO beside the request (``<request_id>.blob``, written first), so
+    the request names the blob by hash and the bytes are serialized once. Requests the coordinator
+    refused for good are moved to ``rejected/`` for the operator, not retried forever.
     """
 
     def __init__(self, path: Path) -> None:
@@ -149,23 +151,46 @@ class PendingResults:
             raise InvalidArgument(f"not a usable request id: {request_id!r}")
         return self.path / f"{request_id}.pb"
 
-    def put(self, request_id: str, data: bytes) -> None:
-        """Keeps a request until :meth:`done` (durably, before it is sent)."""
+    def put(self, request_id: str, data: bytes, *, blob: bytes | None = None) -> None:
+        """Keeps a request (and the blob it names) until :meth:`done`, durably, before it is sent."""
+        if blob is not None:
+            write_private(self._blob_file(request_id), blob)
         write_private(self._file(request_id), data)
+
+    def blob(self, request_id: str) -> bytes | None:
+        """The blob kept with a request by :meth:`put`, if any."""
+        try:
+            return self._blob_file(request_id).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def _blob_file(self, request_id: str) -> Path:
+        return self._file(request_id).with_suffix(".blob")
 
     def done(self, request_id: str) -> None:
         """Forgets an acknowledged request."""
         self._file(request_id).unlink(missing_ok=True)
+        self._blob_file(request_id).unlink(missing_ok=True)
 
     def reject(self, request_id: str) -> Path:
         """Moves a request the coordinator refused for good to ``rejected/``; returns its new path."""
         rejected = self.path / "rejected"
         rejected.mkdir(exist_ok=True, mode=0o700)
         target = rejected / f"{request_id}.pb"
+        blob = self._blob_file(request_id)
+        if blob.exists():
+            os.replace(blob, target.with_suffix(".blob"))
         os.replace(self._file(request_id), target)
         return target
 
     def items(self) -> list[tuple[str, bytes]]:
-        """Every pending request as ``(request_id, bytes)``, oldest first."""
+        """Every pending request as ``(request_id, bytes)``, oldest first.
+
+        A blob whose request was never written (a crash between the two writes) is removed.
+        """
         files = sorted(self.path.glob("*.pb"), key=lambda p: (p.stat().st_mtime_ns, p.name))
+        kept = {p.stem for p in files}
+        for orphan in self.path.glob("*.blob"):
+            if orphan.stem not in kept:
+                orphan.unlink(missing_ok=True)
         return [(p.stem, p.read_bytes()) for p in files]

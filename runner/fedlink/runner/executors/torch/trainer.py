@@ -436,7 +436,7 @@ class TorchTrainer:
     def _source(self, ctx: Context) -> DataSource:
         if self.data_source is not None:
             return self.data_source
-        source: DataSource = ctx.require(ContextKey.DATA_SOURCE)
+        source: DataSource = ctx.data_source()
         return source
 
     def __getstate__(self) -> dict[str, Any]:
