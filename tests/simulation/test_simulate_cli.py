@@ -86,7 +86,7 @@ def test_simulate_reports_bad_backend_config_and_missing_matplotlib(job_file: Pa
         cli, ["simulate", str(job_file), "-n", "2", "--no-progress", "--plot", str(job_file.parent / "p.png")]
     )
     if importlib.util.find_spec("matplotlib") is None:
-        assert plotted.exit_code != 0 and "pip install matplotlib" in plotted.output
+        assert plotted.exit_code != 0 and "pip install 'fedlink[plot]'" in plotted.output
     else:
         assert plotted.exit_code == 0, plotted.output
         assert (job_file.parent / "p.png").read_bytes()[:4] == b"\x89PNG"

@@ -9,7 +9,7 @@ import click
 #: Top-level commands that run the coordinator side and so need ``pip install 'fedlink[server]'``.
 SERVER_COMMAND_NAMES = ("serve", "db", "simulate")
 #: The operator's commands: gRPC clients of a running coordinator, available in every install.
-OPERATOR_COMMAND_NAMES = ("job", "device")
+OPERATOR_COMMAND_NAMES = ("job", "device", "health")
 
 # Modules of the server extra that the server commands cannot start without.
 _SERVER_EXTRA_MODULES = ("sqlalchemy", "alembic")

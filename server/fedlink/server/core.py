@@ -36,10 +36,12 @@ from fedlink.server.services.maintenance import Maintenance
 from fedlink.server.services.metrics import MetricsCollector
 from fedlink.server.services.store_probe import StoreProbe
 from fedlink.server.services.supervisor import JobSupervisor
+from fedlink.server.services.tracking import JobTracker
 from fedlink.server.settings import CoordinatorSettings
 from fedlink.server.store.outages import StoreRetryPolicy, is_store_away
 from fedlink.server.store.sql import SqlStateStore, create_store
 from fedlink.server.telemetry import Telemetry
+from fedlink.server.tracking import TrackingConfig, build_sinks
 from fedlink.server.workflows.registry import DriverOptions, WorkflowLimits, Workflows
 
 log = logging.getLogger(__name__)
@@ -267,6 +269,16 @@ class CoordinatorCore:
         loops.add(StoreProbe(store.database).loop())
         if self._telemetry is not None:
             loops.add(MetricsCollector(store, self._telemetry, interval=timedelta(seconds=5)).loop())
+        tracking = TrackingConfig(
+            mlflow_tracking_uri=s.mlflow_tracking_uri,
+            mlflow_experiment=s.mlflow_experiment,
+            tensorboard_dir=s.tensorboard_dir,
+        )
+        if tracking.enabled:
+            # Built before any job runs: a sink whose library is missing stops the start, not a job.
+            tracker = JobTracker(await asyncio.to_thread(build_sinks, tracking))
+            events.listeners.append(tracker.heard)
+            loops.add(tracker.loop())
         self.loops = loops
         self._tasks = [asyncio.create_task(self._run_loops(loops), name="background-loops")]
 

@@ -116,6 +116,18 @@ class CoordinatorSettings:
     metrics_address: str | None = None
     """``host:port`` of the Prometheus ``/metrics`` endpoint (e.g. ``127.0.0.1:9464``); unset: none."""
 
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking URI that each job's per-round metrics are logged to, one run per job:
+    ``file:/var/lib/fedlink/mlruns``, ``sqlite:///mlflow.db``, ``postgresql://...`` or an MLflow server's
+    ``http(s)://`` address (needs ``fedlink[mlflow]``); unset: none."""
+
+    mlflow_experiment: str = "fedlink"
+    """MLflow experiment that the jobs' runs go to (created if missing)."""
+
+    tensorboard_dir: Path | None = None
+    """Folder of TensorBoard event files: each job's per-round metrics go to ``<dir>/<name>-<job id>``
+    (needs ``fedlink[tensorboard]``); unset: none."""
+
     log_format: LogFormat = "console"
     """Log output: ``console`` (readable lines) or ``json`` (one object per line)."""
 
@@ -284,6 +296,8 @@ def _validate_serving(s: CoordinatorSettings) -> None:
     split_address(s.listen_address, what="listen_address")
     if s.metrics_address is not None:
         split_address(s.metrics_address, what="metrics_address")
+    if s.mlflow_tracking_uri is not None and not s.mlflow_experiment.strip():
+        raise InvalidArgument("mlflow_experiment must not be empty")
     if (s.tls_cert is None) != (s.tls_key is None):
         raise InvalidArgument("tls_cert and tls_key go together: give both, or neither for a self-signed one")
     if s.insecure and (s.tls_cert is not None or s.tls_client_ca is not None):

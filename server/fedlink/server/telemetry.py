@@ -3,7 +3,8 @@
 Each :class:`Telemetry` owns its own ``CollectorRegistry`` rather than prometheus_client's global one, so
 tests and several coordinators in one process never collide. The gRPC layer calls
 :meth:`Telemetry.observe` after every call (it is the ``RpcObserver``); the coordinator sets the domain
-gauges as its state changes; :meth:`Telemetry.start_http_server` serves ``/metrics``.
+gauges as its state changes; :meth:`Telemetry.start_http_server` serves ``/metrics`` (404 at any other
+path).
 
 Label values are bounded sets (service, method, status code, state, outcome) except ``job_id``, whose
 series are removed with :meth:`Telemetry.forget_job` when a job ends, so cardinality stays small.
@@ -12,19 +13,24 @@ series are removed with :meth:`Telemetry.forget_job` when a job ends, so cardina
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Final
-from wsgiref.simple_server import WSGIServer
+from typing import TYPE_CHECKING, Final
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from fedlink.common.version import __version__
 from fedlink.server.domain.states import DeviceState, JobState
 from fedlink.server.settings import split_address
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
 
 #: Latency buckets from 0.1 ms (a cached lookup) to 60 s (beyond the longest GetTask long poll).
 RPC_DURATION_BUCKETS: Final = (
@@ -197,8 +203,44 @@ class Telemetry:
             OSError: the address cannot be bound.
         """
         host, port = split_address(address, what="metrics_address")
-        server, thread = prometheus_client.start_http_server(port, addr=host, registry=self.registry)
+        # Not prometheus_client.start_http_server, which serves the metrics at every path: a typo'd
+        # scrape path, or a probe of "/", gets 404 here rather than a page that looks right.
+        family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][
+            0
+        ]
+        server_type = type("MetricsHTTPServer", (ThreadingWSGIServer,), {"address_family": family})
+        app = _only_metrics(prometheus_client.make_wsgi_app(self.registry))
+        server: WSGIServer = make_server(host, port, app, server_type, handler_class=_QuietHandler)
+        thread = threading.Thread(target=server.serve_forever, name="fedlink-metrics", daemon=True)
+        thread.start()
         return MetricsServer(server=server, thread=thread, host=host, port=server.server_port)
+
+
+#: The one path the metrics endpoint serves.
+METRICS_PATH: Final = "/metrics"
+
+
+def _only_metrics(app: WSGIApplication) -> WSGIApplication:
+    """``app`` at :data:`METRICS_PATH`; 404 Not Found at every other path."""
+
+    def serve(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        if environ.get("PATH_INFO", "") == METRICS_PATH:
+            return app(environ, start_response)
+        body = f"not found: the coordinator's metrics are at {METRICS_PATH}\n".encode()
+        start_response(
+            "404 Not Found",
+            [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))],
+        )
+        return [body]
+
+    return serve
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log line on stderr per scrape (the coordinator's own log says what matters)."""
+
+    def log_message(self, format: str, *args: object) -> None:
+        """Drops the line."""
 
 
 def _set_by_state(gauge: Gauge, counts: Iterable[tuple[str, int]], states: Iterable[str]) -> None:
@@ -211,4 +253,4 @@ def _set_by_state(gauge: Gauge, counts: Iterable[tuple[str, int]], states: Itera
         gauge.labels(state=state).set(given.get(state, 0))
 
 
-__all__ = ["RESULT_OUTCOMES", "RPC_DURATION_BUCKETS", "MetricsServer", "Telemetry"]
+__all__ = ["METRICS_PATH", "RESULT_OUTCOMES", "RPC_DURATION_BUCKETS", "MetricsServer", "Telemetry"]

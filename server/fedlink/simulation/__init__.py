@@ -4,11 +4,12 @@
 job.toml --devices N`` does the same from the command line.
 """
 
+from fedlink.server.tracking import TrackingConfig
 from fedlink.simulation.api import run_simulation, run_simulation_async
 from fedlink.simulation.backends import BACKENDS, ExecutorPool, LocalConfig, LocalPool
 from fedlink.simulation.heterogeneity import DeviceRound, Heterogeneity
 from fedlink.simulation.job import SimulationJob
-from fedlink.simulation.progress import MetricsFile, ProgressLine, ProgressSink
+from fedlink.simulation.progress import MetricsFile, ProgressLine, ProgressSink, TrackingProgress
 from fedlink.simulation.ray_backend import RayConfig
 from fedlink.simulation.result import Failure, RoundRecord, SimulationError, SimulationResult
 from fedlink.simulation.transport import InProcessTransport
@@ -30,6 +31,8 @@ __all__ = [
     "SimulationError",
     "SimulationJob",
     "SimulationResult",
+    "TrackingConfig",
+    "TrackingProgress",
     "run_simulation",
     "run_simulation_async",
 ]

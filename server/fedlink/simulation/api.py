@@ -17,12 +17,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fedlink.runner.spec import DataSource
+from fedlink.server.tracking import TrackingConfig, build_sinks
 from fedlink.server.workflows import registry
 from fedlink.simulation.backends import check_backend, create_pool
+from fedlink.simulation.clock import ScaledEventLoop, check_time_scale
 from fedlink.simulation.engine import Plan, RunnerArg, make_plan, simulate
 from fedlink.simulation.heterogeneity import Heterogeneity
 from fedlink.simulation.job import SimulationJob
-from fedlink.simulation.progress import MetricsFile, ProgressLine, ProgressSink
+from fedlink.simulation.progress import MetricsFile, ProgressLine, ProgressSink, TrackingProgress
 from fedlink.simulation.result import SimulationResult
 
 __all__ = ["run_simulation", "run_simulation_async"]
@@ -30,7 +32,9 @@ __all__ = ["run_simulation", "run_simulation_async"]
 _T = TypeVar("_T")
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+def _loop_factory(time_scale: float = 1.0) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    if time_scale != 1.0:  # uvloop's timers cannot be scaled: asyncio's selector loop can
+        return lambda: ScaledEventLoop(time_scale)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop comes with the server extra on Linux and macOS
@@ -38,16 +42,17 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-def _run_here(make: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
+def _run_here(make: Callable[[], Coroutine[Any, Any, _T]], time_scale: float = 1.0) -> _T:
     # asyncio.Runner turns Ctrl-C into a cancellation of the main task (so cleanup runs), then re-raises.
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=_loop_factory(time_scale)) as runner:
         return runner.run(make())
 
 
 class _Thread:
     """Runs a coroutine on a fresh event loop in a thread of its own; can be cancelled from outside."""
 
-    def __init__(self, make: Callable[[], Coroutine[Any, Any, _T]]) -> None:
+    def __init__(self, make: Callable[[], Coroutine[Any, Any, _T]], time_scale: float = 1.0) -> None:
+        self._time_scale = time_scale
         self.future: Future[Any] = Future()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[Any] | None = None
@@ -66,7 +71,7 @@ class _Thread:
             return await make()
 
         try:
-            with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            with asyncio.Runner(loop_factory=_loop_factory(self._time_scale)) as runner:
                 result = runner.run(body())
         except BaseException as exc:  # handed to the waiting thread, which re-raises it
             if not self.future.done():
@@ -108,13 +113,18 @@ def _prepare(
     store: str | Path,
     progress: bool | ProgressSink,
     metrics_jsonl: str | Path | None,
+    tracking: TrackingConfig | None,
     timeout: float | None,
     share_components: bool,
     transport: str,
+    time_scale: float,
 ) -> Callable[[], Coroutine[Any, Any, SimulationResult]]:
     """Checks everything that can be checked before a loop or a thread exists; returns the run."""
+    check_time_scale(time_scale)
     if isinstance(job, str | Path):
         job = SimulationJob.from_file(job)
+    if tracking is None:
+        tracking = job.tracking
     backend_spec = check_backend(backend, backend_config)  # checked now; the pool starts in the run
     sinks: list[ProgressSink] = []
     plan: Plan = make_plan(
@@ -137,6 +147,13 @@ def _prepare(
         sinks.append(progress)
     if metrics_jsonl is not None:
         sinks.append(MetricsFile(Path(metrics_jsonl)))
+    if tracking is not None and tracking.enabled:
+        spec = plan.job.spec
+        sinks.append(
+            TrackingProgress(
+                build_sinks(tracking), job_name=plan.job.name, workflow=spec.name, params=spec.config
+            )
+        )
     plan = _with_sinks(plan, sinks)
 
     async def run() -> SimulationResult:
@@ -169,9 +186,11 @@ def run_simulation(
     store: str | Path = ":memory:",
     progress: bool | ProgressSink = False,
     metrics_jsonl: str | Path | None = None,
+    tracking: TrackingConfig | None = None,
     timeout: float | None = None,
     share_components: bool = True,
     transport: str = "inprocess",
+    time_scale: float = 1.0,
 ) -> SimulationResult:
     """Runs ``job`` on ``num_devices`` virtual devices with the real coordinator and Runner code.
 
@@ -197,12 +216,18 @@ def run_simulation(
             or the path of a new SQLite file to inspect later (its blobs go to ``<path>.blobs``).
         progress: Show a progress line on stderr (True), or report to a :class:`ProgressSink`.
         metrics_jsonl: Write one JSON line of metrics per round to this file.
+        tracking: Log each round's metrics to MLflow and/or TensorBoard as well (one run per
+            simulation; see ``docs/tracking.md``); default: the job file's ``[tracking]`` section.
         timeout: Seconds after which the simulation is aborted (default: enough for every round to
             run to its round timeout with every retry).
         share_components: Build each job component once and share it among devices (see
             :mod:`fedlink.simulation.components`); False builds them per device.
         transport: ``"inprocess"`` (default) or ``"grpc"``: the real gRPC server on loopback and a
             gRPC transport per device, to exercise the wire path (see :mod:`fedlink.simulation.engine`).
+        time_scale: Run time this many times faster, for the coordinator and the devices alike: every
+            timeout, lease, long poll and simulated compute time is in scaled seconds, and so are
+            ``duration_s`` and ``virtual_time_s`` of the rounds (see :mod:`fedlink.simulation.clock`;
+            real work in threads counts ``time_scale`` times over). 1 (default): real time.
 
     Returns:
         The final model, per-round metrics and timings, participation and failures.
@@ -226,15 +251,17 @@ def run_simulation(
         store=store,
         progress=progress,
         metrics_jsonl=metrics_jsonl,
+        tracking=tracking,
         timeout=timeout,
         share_components=share_components,
         transport=transport,
+        time_scale=time_scale,
     )
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return _run_here(make)
-    thread = _Thread(make)
+        return _run_here(make, time_scale)
+    thread = _Thread(make, time_scale)
     thread.join()
     result: SimulationResult = thread.future.result()
     return result
@@ -254,9 +281,11 @@ async def run_simulation_async(
     store: str | Path = ":memory:",
     progress: bool | ProgressSink = False,
     metrics_jsonl: str | Path | None = None,
+    tracking: TrackingConfig | None = None,
     timeout: float | None = None,  # noqa: ASYNC109 - bounds the simulation's own loop, in its thread
     share_components: bool = True,
     transport: str = "inprocess",
+    time_scale: float = 1.0,
 ) -> SimulationResult:
     """:func:`run_simulation` for async code: awaits the simulation (run on its own loop and thread).
 
@@ -275,11 +304,13 @@ async def run_simulation_async(
         store=store,
         progress=progress,
         metrics_jsonl=metrics_jsonl,
+        tracking=tracking,
         timeout=timeout,
         share_components=share_components,
         transport=transport,
+        time_scale=time_scale,
     )
-    thread = _Thread(make)
+    thread = _Thread(make, time_scale)
     outcome = asyncio.wrap_future(thread.future)
     try:
         # shield: cancelling the caller must cancel the simulation (below), not just forget its future.

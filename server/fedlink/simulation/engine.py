@@ -51,17 +51,18 @@ from fedlink.runner.transport.state import Identity, StateDir
 from fedlink.runner.validation import BUILTIN_PATH_ARGS, check_job_data
 from fedlink.server.app import Coordinator
 from fedlink.server.core import CoordinatorCore
-from fedlink.server.domain import JobEvent, JobState, ResultStatus, WorkflowSpec
+from fedlink.server.domain import JobEvent, JobState, ResultStatus, WorkflowSpec, is_final
 from fedlink.server.gc_tuning import GC_CONTROL
 from fedlink.server.protocol.control import JobSubmission
 from fedlink.server.protocol.events import JOB_STATE_CHANGED
 from fedlink.server.settings import CoordinatorSettings
 from fedlink.server.workflows import registry as workflows
 from fedlink.simulation.backends import ExecutorPool
+from fedlink.simulation.clock import LoopClock, ScaledEventLoop
 from fedlink.simulation.components import shared_registry
 from fedlink.simulation.heterogeneity import Heterogeneity
 from fedlink.simulation.job import SimulationJob
-from fedlink.simulation.progress import ProgressSink
+from fedlink.simulation.progress import ProgressSink, TrackingProgress
 from fedlink.simulation.result import Failure, RoundRecord, SimulationError, SimulationResult
 from fedlink.simulation.transport import DeviceHub, InProcessTransport, LiveCounts
 
@@ -163,6 +164,8 @@ def make_plan(
         timeout = math.inf if bound is None else bound + 60.0
     if not (isinstance(timeout, int | float) and timeout > 0):
         raise InvalidArgument(f"timeout must be a positive number of seconds, not {timeout!r}")
+    if heterogeneity is None and job.simulation is not None and job.simulation.heterogeneity is not None:
+        heterogeneity = Heterogeneity.from_table(job.simulation.heterogeneity)  # the argument comes first
     hetero = heterogeneity or Heterogeneity()
     if transport not in TRANSPORTS:
         raise InvalidArgument(f"unknown transport {transport!r}; available: {', '.join(TRANSPORTS)}")
@@ -317,8 +320,11 @@ async def simulate(plan: Plan, pool: ExecutorPool) -> SimulationResult:
                     wire = (coordinator.endpoint.address, workdir / "devices")
                     return await _run(plan, coordinator.core, pool, errors, started, wire)
             checks = round_check_seconds(plan.num_devices)
+            loop = asyncio.get_running_loop()
             async with CoordinatorCore(
                 _settings(plan, workdir),
+                # A scaled loop's time for the store too: leases and deadlines run as its timers do.
+                clock=LoopClock(loop) if isinstance(loop, ScaledEventLoop) else None,
                 supervisor_poll_seconds=0.05,
                 round_check_seconds=checks,
                 keep_folded_payloads=plan.store != ":memory:",  # a throwaway store keeps metadata
@@ -427,6 +433,9 @@ async def _run(
         request_id="",
     )
     job_id = view.job.job_id
+    for sink in plan.sinks:
+        if isinstance(sink, TrackingProgress):
+            sink.job_submitted(job_id)
     setup_s = time.perf_counter() - started
     runners = [
         Runner(
@@ -477,7 +486,9 @@ async def _follow(core: CoordinatorCore, job_id: str, sinks: Sequence[ProgressSi
     """Follows the job's events until it is final; returns the closed rounds."""
     starts: dict[int, tuple[JobEvent, int]] = {}
     rounds: list[RoundRecord] = []
+    origin: JobEvent | None = None
     async for event in core.control_protocol.watch_job(job_id, after_sequence=0):
+        origin = origin or event
         body = json.loads(event.payload_json)
         if event.kind == "round_started":
             starts[body["round"]] = (event, int(body.get("num_devices", 0)))
@@ -491,6 +502,7 @@ async def _follow(core: CoordinatorCore, job_id: str, sinks: Sequence[ProgressSi
                 num_results=int(body.get("num_results", 0)),
                 metrics={str(k): float(v) for k, v in dict(body.get("metrics", {})).items()},
                 duration_s=(event.time - begun.time).total_seconds(),
+                virtual_time_s=(event.time - origin.time).total_seconds(),
             )
             rounds.append(record)
             GC_CONTROL.settle()
@@ -505,6 +517,7 @@ async def _follow(core: CoordinatorCore, job_id: str, sinks: Sequence[ProgressSi
                 num_results=int(body.get("num_updates", 0)),
                 metrics={str(k): float(v) for k, v in dict(body.get("metrics", {})).items()},
                 duration_s=(event.time - begun.time).total_seconds(),
+                virtual_time_s=(event.time - origin.time).total_seconds(),
             )
             rounds.append(record)
             GC_CONTROL.settle()
@@ -512,6 +525,10 @@ async def _follow(core: CoordinatorCore, job_id: str, sinks: Sequence[ProgressSi
                 sink.round_closed(record)
         elif event.kind == JOB_STATE_CHANGED:
             log.debug("job state", extra={"job_id": job_id, "state": body.get("state")})
+            if is_final(JobState(body["state"])):
+                for sink in sinks:
+                    if isinstance(sink, TrackingProgress):
+                        sink.job_ended(str(body["state"]))
             starts.setdefault(-1, (event, 0))  # the first version is timed from the job's start
     return rounds
 
@@ -578,6 +595,7 @@ async def _collect(
         participation={i: tuple(r) for i, r in participation.items()},
         failures=tuple(failures),
         dropouts=tuple(counts.drops),
+        vanished=tuple(counts.gone),
         num_devices=plan.num_devices,
         job_id=job_id,
         store_url="" if plan.store == ":memory:" else core.settings.db_url,

@@ -13,6 +13,7 @@ import numpy.typing as npt
 from fedlink.common.dxo import DXO, DataKind
 from fedlink.common.errors import InvalidArgument
 from fedlink.server.domain import WorkflowSpec
+from fedlink.server.tracking.sinks import TrackingConfig
 from fedlink.server.workflows import registry
 from fedlink.server.workflows.params import WorkflowParams
 
@@ -42,6 +43,9 @@ class SimulationJob:
     #: A job file's ``[simulation]`` section: the devices' data and how it is split, and how many
     #: devices (the simulation's ``data=`` and ``num_devices`` come first); None for none.
     simulation: SimulationSection | None = None
+    #: A job file's ``[tracking]`` section: the MLflow and TensorBoard sinks of the simulation's
+    #: rounds (``run_simulation(tracking=...)`` comes first); None for none.
+    tracking: TrackingConfig | None = None
 
     @classmethod
     def from_file(cls, path: Path | str) -> SimulationJob:
@@ -62,6 +66,7 @@ class SimulationJob:
             job_data=loaded.job_data,
             device_selector=dict(loaded.device_selector),
             simulation=loaded.simulation,
+            tracking=loaded.tracking,
         )
 
     @property

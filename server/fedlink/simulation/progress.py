@@ -1,18 +1,24 @@
-"""What a running simulation shows: a live progress line, and a JSONL file of per-round metrics."""
+"""What a running simulation shows: a live progress line; where its per-round metrics go (JSONL, MLflow,
+TensorBoard)."""
 
 from __future__ import annotations
 
-import json
+import dataclasses
+import logging
 import sys
 import time
-from dataclasses import asdict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
+from fedlink.server.tracking import JsonlSink, MetricPoint, MetricSink, TrackedJob
 from fedlink.simulation.result import RoundRecord
 from fedlink.simulation.transport import LiveCounts
 
-__all__ = ["MetricsFile", "ProgressLine", "ProgressSink"]
+log = logging.getLogger(__name__)
+
+__all__ = ["MetricsFile", "ProgressLine", "ProgressSink", "TrackingProgress"]
 
 #: Metrics shown on the progress line, in this order, when the rounds report them.
 _SHOWN = ("train_loss", "train_accuracy", "eval_loss", "eval_accuracy", "val_loss", "val_accuracy")
@@ -77,26 +83,99 @@ class ProgressLine:
             self._stream.flush()
 
 
-class MetricsFile:
-    """Appends one JSON object per closed round to a file (written and flushed as each round closes).
+class TrackingProgress:
+    """Hands each closed round to metric sinks (MLflow, TensorBoard, JSON lines): the same sinks as
+    ``fedlink serve``'s (:mod:`fedlink.server.tracking`).
 
-    Each line: ``{"round", "num_devices", "num_results", "duration_s", "metrics": {...}}``.
+    The simulation tells it the job's id once submitted (:meth:`job_submitted`) and its end
+    (:meth:`job_ended`). With ``background`` (the default) the sinks are called in order on a thread
+    of their own, so that their file and database writes never hold up the simulation's event loop;
+    :meth:`close` waits for them.
     """
 
-    def __init__(self, path: Path) -> None:
-        self._file = path.open("w", encoding="utf-8")
+    def __init__(
+        self,
+        sinks: Sequence[MetricSink],
+        *,
+        job_name: str,
+        workflow: str,
+        params: Mapping[str, Any],
+        background: bool = True,
+    ) -> None:
+        self._sinks = list(sinks)
+        self._job = TrackedJob(job_id="", name=job_name, workflow=workflow, params=dict(params))
+        self._started = False
+        self._ended = False
+        self._executor = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedlink-tracking") if background else None
+        )
+
+    def _each(self, call: Callable[[MetricSink], None]) -> None:
+        def run() -> None:
+            for sink in self._sinks:
+                call(sink)
+
+        def logged() -> None:
+            try:
+                run()
+            except Exception:  # on the thread nobody would see it: said, not lost
+                log.exception("a metric sink failed")
+
+        if self._executor is None:
+            run()
+        else:
+            self._executor.submit(logged)
+
+    def job_submitted(self, job_id: str) -> None:
+        """The simulation's job has its id: the sinks start tracking it."""
+        self._job = dataclasses.replace(self._job, job_id=job_id)
+
+    def _start(self) -> None:
+        if not self._started:
+            self._started = True
+            job = self._job
+            self._each(lambda sink: sink.start(job))
 
     def round_started(self, round: int, num_devices: int) -> None:
         pass
 
     def round_closed(self, record: RoundRecord) -> None:
-        line = asdict(record)
-        line["metrics"] = dict(record.metrics)
-        self._file.write(json.dumps(line, sort_keys=True) + "\n")
-        self._file.flush()
+        self._start()
+        point = MetricPoint(
+            step=record.round,
+            metrics=dict(record.metrics),
+            num_devices=record.num_devices,
+            num_results=record.num_results,
+            duration_s=record.duration_s,
+        )
+        job = self._job
+        self._each(lambda sink: sink.log(job, point))
+
+    def job_ended(self, state: str) -> None:
+        """The job ended in ``state`` (FINISHED, FAILED, ABORTED)."""
+        if not self._ended:
+            self._ended = True
+            self._start()
+            job = self._job
+            self._each(lambda sink: sink.finish(job, state))
 
     def tick(self, counts: LiveCounts) -> None:
         pass
 
     def close(self) -> None:
-        self._file.close()
+        if self._started and not self._ended:
+            self.job_ended("FAILED")  # the simulation stopped before its job ended (timeout, Ctrl-C)
+        self._each(lambda sink: sink.close())
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+
+class MetricsFile(TrackingProgress):
+    """Writes one JSON object per closed round to a file (written and flushed as each round closes).
+
+    Each line: ``{"round", "num_devices", "num_results", "duration_s", "metrics": {...}}``.
+    """
+
+    def __init__(self, path: Path) -> None:
+        # In the loop's thread: each line is on disk when its round's close is reported.
+        super().__init__([JsonlSink(path)], job_name="", workflow="", params={}, background=False)

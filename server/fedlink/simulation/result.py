@@ -55,6 +55,9 @@ class RoundRecord:
     metrics: Mapping[str, float]
     #: Seconds from the round's start to its close (aggregation and checkpoint included).
     duration_s: float
+    #: Seconds from the job's first event to the round's close (FedBuff: the version's making), on
+    #: the coordinator's clock: simulated seconds under ``time_scale`` (see :mod:`fedlink.simulation.clock`).
+    virtual_time_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,6 +80,8 @@ class SimulationResult:
     setup_s: float
     #: Seconds from the call to its return.
     wall_time_s: float
+    #: ``(device index, round)`` of every device that took a task and went away for good (``vanish``).
+    vanished: tuple[tuple[int, int], ...] = ()
 
     @property
     def arrays(self) -> dict[str, npt.NDArray[Any]]:

@@ -24,7 +24,6 @@ import asyncio
 import heapq
 import itertools
 import secrets
-import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -79,6 +78,8 @@ class LiveCounts:
     dropped: int = 0
     #: ``(device index, round)`` of every drop-out, in the order they happened.
     drops: list[tuple[int, int]] = field(default_factory=list)
+    #: ``(device index, round)`` of every device that took a task and went away for good.
+    gone: list[tuple[int, int]] = field(default_factory=list)
 
 
 class OrderedSlots:
@@ -329,10 +330,15 @@ class InProcessTransport(Transport):
                 cookie = b""
                 continue
             payload = reply.payload
+            if self._hub.behaviour(self._index, self._round).vanished:
+                # Gone with the task: no report, no renewal, no more calls (its lease runs out). The
+                # wait ends when the run stops its runner.
+                self._hub.counts.gone.append((self._index, self._round))
+                await asyncio.Event().wait()
             data = None if payload is None else await self._hub.model(payload.sha256, payload.inline)
             await self._link()
             self._set_busy(True)
-            self._started = time.monotonic()
+            self._started = asyncio.get_running_loop().time()  # a scaled loop's time (see clock.py)
             return _offer(reply, data)
 
     async def report_result(self, report: ResultReport) -> Ack:
@@ -344,8 +350,11 @@ class InProcessTransport(Transport):
         behaviour = self._hub.behaviour(self._index, self._round) if self._round else None
         delay = 0.0
         if behaviour is not None:
-            if behaviour.slowdown > 1.0:
-                delay = (behaviour.slowdown - 1.0) * (time.monotonic() - self._started)
+            took = asyncio.get_running_loop().time() - self._started
+            if behaviour.compute_s is not None:  # the drawn compute time, less what the work took
+                delay = max(0.0, behaviour.compute_s - took)
+            elif behaviour.slowdown > 1.0:
+                delay = (behaviour.slowdown - 1.0) * took
             delay += behaviour.link_delay_s
         try:
             if delay > 0:

@@ -180,9 +180,10 @@ class StubDevice:
     async def get_job(self) -> rpb.GetJobResponse:
         return await self.stub.GetJob(rpb.GetJobRequest(protocol_version="1.0"), metadata=self.metadata)
 
-    async def train(self, delta: float, *, error: str | None = None) -> int:
+    async def train(self, delta: float, *, error: str | None = None, loss: float | None = None) -> int:
         """Takes the job and answers each task with a WEIGHT_DIFF of ``delta`` (or, given ``error``, a
-        FAILED report with that message); returns the tasks done."""
+        FAILED report with that message); returns the tasks done. Given ``loss``, each result reports
+        ``train_loss`` = ``loss`` / the task's number (so the rounds' metrics fall)."""
         job = await self.get_job()
         while job.status != rpb.RUNNER_STATUS_OK:
             await asyncio.sleep(0.05)
@@ -202,6 +203,8 @@ class StubDevice:
                 value = read_tensor(tensor)
                 diff.data[name].CopyFrom(dense(np.full(value.shape, delta, value.dtype)))
             diff.meta["num_examples"].int_value = 1
+            if loss is not None:
+                diff.meta["train_loss"].double_value = loss / (done + 1)
             report = rpb.ReportResultRequest(
                 job_id=job.job_id,
                 task_id=task.task_id,

@@ -165,6 +165,30 @@ def control_client(options: ConnectionOptions) -> Iterator[ControlClient]:
             raise rpc_failed(exc) from None
 
 
+#: ``--server``: where the coordinator is (every command that connects to one).
+SERVER_OPTION: Final = click.option(
+    "--server",
+    envvar="FEDLINK_SERVER",
+    default=DEFAULT_SERVER,
+    show_default=True,
+    metavar="HOST:PORT",
+    help="The coordinator's address [env: FEDLINK_SERVER].",
+)
+#: ``--ca-cert``: the CA to trust instead of the data directory's.
+CA_CERT_OPTION: Final = click.option(
+    "--ca-cert",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="PEM CA certificate to trust (default: <data-dir>/tls/ca.pem if it exists, else system roots).",
+)
+#: ``--insecure``: plaintext, for a coordinator run with ``--insecure``.
+INSECURE_OPTION: Final = click.option(
+    "--insecure",
+    is_flag=True,
+    envvar="FEDLINK_INSECURE",
+    help="Connect without TLS (for a coordinator run with --insecure) [env: FEDLINK_INSECURE].",
+)
+
+
 def connection_options(command: Callable[P, R]) -> Callable[..., R]:
     """Adds ``--server``, ``--ca-cert``, ``--insecure``, ``--admin-token``, ``--admin-token-file`` and
     ``--data-dir`` to a command.
@@ -172,25 +196,9 @@ def connection_options(command: Callable[P, R]) -> Callable[..., R]:
     The wrapped function receives a :class:`ConnectionOptions` as its ``connection`` argument.
     """
 
-    @click.option(
-        "--server",
-        envvar="FEDLINK_SERVER",
-        default=DEFAULT_SERVER,
-        show_default=True,
-        metavar="HOST:PORT",
-        help="The coordinator's address [env: FEDLINK_SERVER].",
-    )
-    @click.option(
-        "--ca-cert",
-        type=click.Path(dir_okay=False, path_type=Path),
-        help="PEM CA certificate to trust (default: <data-dir>/tls/ca.pem if it exists, else system roots).",
-    )
-    @click.option(
-        "--insecure",
-        is_flag=True,
-        envvar="FEDLINK_INSECURE",
-        help="Connect without TLS (for a coordinator run with --insecure) [env: FEDLINK_INSECURE].",
-    )
+    @SERVER_OPTION
+    @CA_CERT_OPTION
+    @INSECURE_OPTION
     @click.option(
         "--admin-token",
         envvar="FEDLINK_ADMIN_TOKEN",
@@ -286,9 +294,12 @@ def format_option(choices: Sequence[str] = ("table", "json")) -> Callable[[Calla
 
 __all__ = [
     "CALL_TIMEOUT_S",
+    "CA_CERT_OPTION",
     "DEFAULT_SERVER",
     "EXIT_RPC_ERROR",
     "EXIT_USAGE",
+    "INSECURE_OPTION",
+    "SERVER_OPTION",
     "CommandError",
     "ConnectionOptions",
     "ControlClient",

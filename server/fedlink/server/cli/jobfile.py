@@ -74,6 +74,7 @@ from fedlink.runner.data import DeviceData
 from fedlink.runner.data.partition import PartitionMethod
 from fedlink.runner.validation import check_job_data, resolve_paths
 from fedlink.server.domain import WorkflowSpec
+from fedlink.server.tracking.sinks import TrackingConfig
 from fedlink.server.workflows import registry
 from fedlink.server.workflows.wire import spec_to_wire
 from fedlink.v1 import control_service_pb2 as cpb
@@ -82,8 +83,19 @@ from fedlink.v1 import control_service_pb2 as cpb
 CUSTOM_SECTION: Final = "workflow"
 #: The section read by ``fedlink simulate`` only.
 SIMULATION_SECTION: Final = "simulation"
-_COMMON_KEYS: Final = frozenset({"name", "model", "device_selector", "job_data", SIMULATION_SECTION})
-_SIMULATION_KEYS: Final = ("devices", "data", "partition", "partition_alpha", "partition_seed")
+TRACKING_SECTION: Final = "tracking"
+_COMMON_KEYS: Final = frozenset(
+    {"name", "model", "device_selector", "job_data", SIMULATION_SECTION, TRACKING_SECTION}
+)
+_TRACKING_KEYS: Final = ("mlflow_tracking_uri", "mlflow_experiment", "tensorboard_dir")
+_SIMULATION_KEYS: Final = (
+    "devices",
+    "data",
+    "partition",
+    "partition_alpha",
+    "partition_seed",
+    "heterogeneity",
+)
 _MAX_NAME: Final = 128  # the control protocol's limit (JobSpec.name)
 
 
@@ -103,6 +115,9 @@ class JobFile:
     model_bytes: bytes = field(repr=False)
     #: The ``[simulation]`` section (defaults when the file has none).
     simulation: SimulationSection = field(default_factory=lambda: SimulationSection())
+    #: The ``[tracking]`` section: where ``fedlink simulate`` logs the rounds' metrics (None: nowhere).
+    #: ``fedlink job submit`` sends none of it: a coordinator logs where its operator says.
+    tracking: TrackingConfig | None = None
 
     def spec(self, model_sha256: str, model_size: int) -> cpb.JobSpec:
         """The wire job spec, with the uploaded model's reference."""
@@ -125,6 +140,9 @@ class SimulationSection:
     partition: PartitionMethod = "iid"
     partition_alpha: float = 0.5
     partition_seed: int = 0
+    #: The ``[simulation.heterogeneity]`` table as written (the simulation checks it, see
+    #: ``fedlink.simulation.Heterogeneity.from_table``); None if the file has none.
+    heterogeneity: Mapping[str, Any] | None = None
 
     def device_data(self, data: Path | None = None) -> DeviceData | None:
         """The devices' data: ``data`` (e.g. ``--data``) or the section's file, split as the section
@@ -185,6 +203,7 @@ def load_job_file(path: Path, *, check_components: bool = True) -> JobFile:
         document.get("job_data", {}), where, base=base, workflow=workflow, check=check_components
     )
     simulation = _simulation(document.get(SIMULATION_SECTION, {}), where, base=base)
+    tracking = _tracking(document.get(TRACKING_SECTION), where, base=base)
     return JobFile(
         path=path,
         name=name.strip(),
@@ -194,6 +213,7 @@ def load_job_file(path: Path, *, check_components: bool = True) -> JobFile:
         model_path=model_path,
         model_bytes=_model_bytes(model_path, where),
         simulation=simulation,
+        tracking=tracking,
     )
 
 
@@ -296,12 +316,54 @@ def _simulation(value: object, where: str, *, base: Path) -> SimulationSection:
         partition="dirichlet" if partition == "dirichlet" else "iid",
         partition_alpha=value.get("partition_alpha", 0.5),
         partition_seed=value.get("partition_seed", 0),
+        heterogeneity=_heterogeneity(value.get("heterogeneity"), at),
     )
     try:  # the same checks as the devices' data will get
         DeviceData(path=Path(), alpha=section.partition_alpha, seed=section.partition_seed)
     except InvalidArgument as exc:
         raise InvalidArgument(f"{at}: {exc.message}") from None
     return section
+
+
+def _heterogeneity(value: object, at: str) -> Mapping[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{at}.heterogeneity must be a table ([{SIMULATION_SECTION}.heterogeneity])")
+    return dict(value)
+
+
+def _tracking(value: object, where: str, *, base: Path) -> TrackingConfig | None:
+    if value is None:
+        return None
+    at = f"{where}: {TRACKING_SECTION}"
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{where}: {TRACKING_SECTION} must be a table ([{TRACKING_SECTION}])")
+    unknown = sorted(set(value) - set(_TRACKING_KEYS))
+    if unknown:
+        raise InvalidArgument(
+            f"{at}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(_TRACKING_KEYS)}"
+        )
+    for key in _TRACKING_KEYS:
+        if key in value and (not isinstance(value[key], str) or not value[key].strip()):
+            raise InvalidArgument(f"{at}.{key} must be a non-empty string")
+    uri = value.get("mlflow_tracking_uri")
+    folder = value.get("tensorboard_dir")
+    return TrackingConfig(
+        mlflow_tracking_uri=None if uri is None else _relative_file_uri(uri, base),
+        mlflow_experiment=value.get("mlflow_experiment", "fedlink"),
+        tensorboard_dir=None if folder is None else base / Path(folder).expanduser(),
+    )
+
+
+def _relative_file_uri(uri: str, base: Path) -> str:
+    """A ``file:`` URI (or a bare folder) relative to the job file, as the file's other paths are."""
+    path = uri.removeprefix("file:") if uri.startswith("file:") and not uri.startswith("file://") else None
+    if path is None and "://" not in uri and ":" not in uri:
+        path = uri
+    if path is None or Path(path).expanduser().is_absolute():
+        return uri
+    return f"file:{base / Path(path)}"
 
 
 # ---- the workflow section ---------------------------------------------------------------------------

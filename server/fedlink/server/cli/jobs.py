@@ -31,6 +31,7 @@ from fedlink.server.cli.client import (
     format_option,
 )
 from fedlink.server.cli.jobfile import load_job_file
+from fedlink.server.cli.plot import job_plot_command
 from fedlink.server.domain import WorkflowSpec
 from fedlink.server.workflows import registry
 from fedlink.server.workflows.wire import CUSTOM, spec_from_wire
@@ -518,5 +519,8 @@ def download_command(job_id: str, round_no: int, output: Path | None, connection
             err=True,
         )
 
+
+# In a module of its own, with the drawing it shares with `fedlink simulate --plot`.
+job_group.add_command(job_plot_command)
 
 __all__ = ["download_model", "event_dict", "event_line", "job_dict", "job_group", "upload_model"]

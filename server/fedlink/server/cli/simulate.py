@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,6 +14,8 @@ import numpy as np
 from fedlink.common.errors import FedlinkError
 from fedlink.server.cli.client import fail
 from fedlink.server.cli.jobfile import SimulationSection
+from fedlink.server.cli.plot import MetricHistory, check_plotting, plot_history
+from fedlink.server.tracking import TrackingConfig
 
 if TYPE_CHECKING:
     from fedlink.simulation import SimulationJob
@@ -31,33 +31,6 @@ def _backend_config(text: str | None) -> dict[str, Any] | None:
     if not isinstance(value, dict):
         fail("--backend-config must be a JSON object, e.g. '{\"num_cpus\": 2}'")
     return value
-
-
-def _check_plotting() -> None:
-    if importlib.util.find_spec("matplotlib") is None:
-        fail("--plot needs matplotlib, which is not installed: pip install matplotlib")
-
-
-def plot_metrics(metrics: dict[str, list[float]], path: Path) -> None:
-    """Draws each metric over the rounds (losses and accuracies on separate axes) into ``path``."""
-    import matplotlib  # type: ignore[import-not-found, unused-ignore]  # optional, checked by --plot
-
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
-
-    losses = {k: v for k, v in metrics.items() if "loss" in k}
-    others = {k: v for k, v in metrics.items() if k not in losses}
-    panels = [p for p in (losses, others) if p]
-    figure, axes = plt.subplots(1, max(1, len(panels)), figsize=(6 * max(1, len(panels)), 4), squeeze=False)
-    for axis, panel in zip(axes[0], panels, strict=False):
-        for name, values in sorted(panel.items()):
-            axis.plot(range(1, len(values) + 1), values, marker="o", label=name)
-        axis.set_xlabel("round")
-        axis.legend()
-        axis.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
 
 
 def _with_data_flags(
@@ -81,6 +54,20 @@ def _with_data_flags(
     if partition_seed is not None:
         section = dataclasses.replace(section, partition_seed=partition_seed)
     return dataclasses.replace(job, simulation=section)
+
+
+def _tracking(
+    job: SimulationJob, uri: str | None, experiment: str | None, tensorboard_dir: Path | None
+) -> TrackingConfig:
+    """The job file's [tracking] section with the flags that were given in its place."""
+    base = job.tracking or TrackingConfig()
+    if uri is not None:
+        base = dataclasses.replace(base, mlflow_tracking_uri=uri)
+    if experiment is not None:
+        base = dataclasses.replace(base, mlflow_experiment=experiment)
+    if tensorboard_dir is not None:
+        base = dataclasses.replace(base, tensorboard_dir=tensorboard_dir)
+    return base
 
 
 @click.command("simulate")
@@ -129,7 +116,24 @@ def _with_data_flags(
     "--jsonl", type=click.Path(path_type=Path, dir_okay=False), help="Write per-round metrics here."
 )
 @click.option(
-    "--plot", type=click.Path(path_type=Path, dir_okay=False), help="Draw metrics over rounds (PNG)."
+    "--plot",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Draw metrics over rounds into this PNG (needs fedlink[plot]).",
+)
+@click.option(
+    "--mlflow-tracking-uri",
+    metavar="URI",
+    help="Log each round's metrics to an MLflow run here: file:./mlruns, sqlite:///mlflow.db, ... "
+    "(needs fedlink[mlflow]; replaces [tracking] mlflow_tracking_uri).",
+)
+@click.option(
+    "--mlflow-experiment", metavar="NAME", help="The MLflow experiment (default: fedlink, or [tracking]'s)."
+)
+@click.option(
+    "--tensorboard-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Write TensorBoard event files under this folder (needs fedlink[tensorboard]; replaces "
+    "[tracking] tensorboard_dir).",
 )
 @click.option(
     "--store", type=click.Path(path_type=Path, dir_okay=False), help="Keep the state store in this new file."
@@ -152,6 +156,9 @@ def simulate_command(
     seed: int | None,
     jsonl: Path | None,
     plot: Path | None,
+    mlflow_tracking_uri: str | None,
+    mlflow_experiment: str | None,
+    tensorboard_dir: Path | None,
     store: Path | None,
     save_model: Path | None,
     timeout: float | None,
@@ -168,7 +175,7 @@ def simulate_command(
     from fedlink.simulation import SimulationError, SimulationJob, run_simulation
 
     if plot is not None:
-        _check_plotting()
+        check_plotting("--plot")
     try:
         job = _with_data_flags(
             SimulationJob.from_file(job_file),
@@ -195,6 +202,7 @@ def simulate_command(
                 store=store if store is not None else ":memory:",
                 progress=progress,
                 metrics_jsonl=jsonl,
+                tracking=_tracking(job, mlflow_tracking_uri, mlflow_experiment, tensorboard_dir),
                 timeout=timeout,
             )
         finally:
@@ -212,8 +220,14 @@ def simulate_command(
     if jsonl is not None:
         click.echo(f"per-round metrics written to {jsonl}")
     if plot is not None:
-        metrics = {k: v for k, v in result.metrics.items() if not all(math.isnan(x) for x in v)}
-        plot_metrics(metrics, plot)
+        history = MetricHistory.from_series(
+            job.name,
+            [r.round for r in result.rounds],
+            result.metrics,
+            step_name="version" if job.spec.name == "fedbuff" else "round",
+            subtitle=f"simulated job {result.job_id} on {result.num_devices} virtual devices",
+        )
+        plot_history(history, plot)
         click.echo(f"metrics plotted to {plot}")
     if result.store_url:
         click.echo(f"state store kept at {result.store_url}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from fedlink.server.domain import Job, JobEvent, JobState, is_final
@@ -20,12 +20,17 @@ class JobEvents:
     def __init__(self, store: StateStore) -> None:
         self._store = store
         self._wakeups: dict[str, asyncio.Event] = {}
+        #: Called with ``(job, kind, round, payload)`` after each event is stored (e.g. the experiment
+        #: tracker's queue); a listener must not block or raise.
+        self.listeners: list[Callable[[Job, str, int, Mapping[str, Any]], None]] = []
 
     async def emit(self, job: Job, kind: str, round: int, payload: Mapping[str, Any]) -> None:
         """Records an event of ``job`` and wakes its watchers."""
         body = {"round": round, **payload}
         await self._store.append_job_event(job.job_id, kind, json.dumps(body, sort_keys=True))
         self.wake(job.job_id)
+        for listener in self.listeners:
+            listener(job, kind, round, payload)
 
     async def state_changed(self, job: Job, state: JobState, message: str = "") -> None:
         """Records that ``job`` moved to ``state``."""
