@@ -13,7 +13,12 @@ __all__ = ["runner_command"]
 
 
 @click.command("runner")
-@click.option("--server", help="Coordinator host:port.  [env FEDLINK_SERVER]")
+@click.option(
+    "--server",
+    metavar="HOST:PORT[,HOST:PORT...]",
+    help="Coordinator host:port; several replicas comma-separated, tried in order when one is unreachable "
+    "(a DNS name with several A/AAAA records works too).  [env FEDLINK_SERVER]",
+)
 @click.option("--ca-cert", type=click.Path(dir_okay=False, path_type=Path), help="PEM CA of the coordinator.")
 @click.option("--insecure", is_flag=True, default=None, help="Plaintext gRPC, without TLS (tests only).")
 @click.option(
@@ -88,6 +93,12 @@ def runner_command(config_file: Path | None, **flags: object) -> None:
     # gRPC's C core logs every failed handshake on its own, in its own format: the runner says the cause
     # once, in its log (DEBUG keeps gRPC's errors). Read when grpc is first imported, just below.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR" if settings.log_level == "DEBUG" else "NONE")
+    from fedlink.runner.transport.addresses import parse_addresses
+
+    try:
+        parse_addresses(settings.server, what="--server")  # a bad list is a usage error (exit 2)
+    except InvalidArgument as exc:
+        raise click.UsageError(str(exc)) from None
     from fedlink.runner.daemon import configure_logging, run_daemon
 
     configure_logging(settings.log_level, settings.log_format)

@@ -185,6 +185,7 @@ class CoordinatorCore:
         store = await create_store(
             s.db_url,
             blob_dir=s.blob_dir,
+            blobs_in_database=s.blobs_in_database,
             clock=self.clock,
             auto_migrate=s.auto_migrate,
             retry=StoreRetryPolicy(budget=s.store_retry_budget),

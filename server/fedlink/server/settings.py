@@ -76,6 +76,10 @@ class CoordinatorSettings:
     blob_dir: Path = _DERIVED_PATH
     """Directory of the content-addressed blob store (default ``<data_dir>/blobs``)."""
 
+    blobs_in_database: bool = False
+    """Keep blob bytes in the database, in chunked rows, instead of under ``blob_dir``: what several
+    coordinators on one PostgreSQL need when they share no file system (see docs/operating.md)."""
+
     listen_address: str = "127.0.0.1:8443"
     """``host:port`` the gRPC server binds; use ``0.0.0.0:8443`` to accept devices from other hosts."""
 

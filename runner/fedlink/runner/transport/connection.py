@@ -8,7 +8,8 @@ itself is not a connection problem).
 
 :class:`ConnectionWatch` follows one transport's outages: the first failure of a cause is logged at
 WARNING, its retries at DEBUG, a change of cause at WARNING again, the recovery at INFO; and it says
-when ``connect_timeout`` has been spent without a single answer (0: never).
+when ``connect_timeout`` has been spent without a single answer (0: never). With several coordinator
+addresses, causes are kept per address and the timeout runs until any of them answers.
 
 :func:`read_ca_file` reads a CA bundle at start, so that a file that is not PEM is an error to fix,
 not a handshake failure retried for ever.
@@ -22,7 +23,7 @@ import math
 import re
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -105,6 +106,7 @@ _PATTERNS: Final[tuple[tuple[Cause, re.Pattern[str]], ...]] = tuple(
     )
 )
 _SSL_REASON: Final = re.compile(r"OPENSSL_internal:([A-Z_]+)")
+_DNS_PREFIX: Final = re.compile(r"^dns:(?://[^/]*/)?", re.IGNORECASE)
 
 
 def classify(
@@ -146,7 +148,7 @@ def classify(
 
 
 def _reason(cause: Cause, details: str, address: str, tls: bool, ca_file: Path | None) -> str:
-    host = address.rsplit(":", 1)[0].strip("[]")
+    host = _DNS_PREFIX.sub("", address).rsplit(":", 1)[0].strip("[]")
     trusted = f"the CA file {ca_file}" if ca_file is not None else "the system's root CAs"
     ssl_reason = _SSL_REASON.search(details)
     match cause:
@@ -221,12 +223,16 @@ def read_ca_file(path: Path) -> bytes:
 class ConnectionWatch:
     """Follows one transport's outages: logs each cause once, and tells when to give up.
 
+    A transport with several coordinator addresses has one watch for all of them: each address keeps
+    its own last failure and the cause it was warned about, while the outage (and ``connect_timeout``)
+    runs from the first failure until *any* address answers.
+
     Not thread-safe: one transport, one event loop.
     """
 
     def __init__(
         self,
-        address: str,
+        address: str | Sequence[str],
         *,
         tls: bool,
         ca_file: Path | None,
@@ -237,34 +243,45 @@ class ConnectionWatch:
         """Creates a watch.
 
         Args:
-            address: The coordinator's address, for the messages.
+            address: The coordinator's address, or its addresses, for the messages.
             tls: Whether the transport connects with TLS.
             ca_file: The CA bundle it trusts, for the messages.
             connect_timeout: How long an outage may last before :meth:`failed` raises; 0: for ever.
             logger: Where to log.
             clock: Monotonic seconds (tests move it).
         """
-        self.address = address
+        self.addresses: tuple[str, ...] = (address,) if isinstance(address, str) else tuple(address)
+        #: The first address (the one a single-address transport has).
+        self.address = self.addresses[0]
         self._tls = tls
         self._ca_file = ca_file
         self._timeout = connect_timeout.total_seconds()
         self._log = logger
         self._clock = clock
+        #: Start of the outage in progress: no address has answered since.
         self._since: float | None = None
-        self._warned: Cause | None = None
-        self._answered = False
+        #: Per address: the cause last warned about, and when its failures began (for the recovery line).
+        self._warned: dict[str, Cause] = {}
+        self._down_since: dict[str, float] = {}
+        self._answered: set[str] = set()
+        #: The last failure of each address during the outage in progress (for the give-up message).
+        self._failures: dict[str, ConnectionFailure] = {}
         #: The latest failure of the outage in progress (None when the coordinator answers).
         self.last: ConnectionFailure | None = None
 
-    def answered(self) -> None:
-        """The coordinator answered (with a reply or a fault of its own): any outage is over."""
-        if self._warned is not None and self._since is not None:
+    def answered(self, address: str | None = None) -> None:
+        """The coordinator at ``address`` (default: the first) answered, with a reply or a fault of its
+        own: the outage is over."""
+        where = self.address if address is None else address
+        since = self._down_since.pop(where, None)
+        if self._warned.pop(where, None) is not None and since is not None:
             self._log.info(
-                f"connected to the coordinator at {self.address} after {self._clock() - self._since:.1f}s",
-                extra={"server": self.address},
+                f"connected to the coordinator at {where} after {self._clock() - since:.1f}s",
+                extra={"server": where},
             )
-        self._answered = True
-        self._since = self._warned = self.last = None
+        self._answered.add(where)
+        self._since = self.last = None
+        self._failures.clear()
 
     def remaining(self) -> float:
         """Seconds left before the outage in progress outlasts ``connect_timeout`` (inf: no limit)."""
@@ -272,52 +289,87 @@ class ConnectionWatch:
             return math.inf
         return self._since + self._timeout - self._clock()
 
+    def describe(self) -> str:
+        """The outage in progress in words: each address that failed and why ("" if none)."""
+        if len(self._failures) <= 1 or len(self.addresses) == 1:
+            return "" if self.last is None else str(self.last)
+        causes = "; ".join(f"{address}: {failure.reason}" for address, failure in self._failures.items())
+        return f"cannot connect to any of the coordinators at {', '.join(self._failures)}: {causes}"
+
     def failed(
-        self, rpc: str, code: grpc.StatusCode, details: str, *, connected: bool, retry: int, delay: float
+        self,
+        rpc: str,
+        code: grpc.StatusCode,
+        details: str,
+        *,
+        connected: bool,
+        retry: int,
+        delay: float,
+        address: str | None = None,
+        next_address: str | None = None,
     ) -> ConnectionFailure | None:
         """Records a failed attempt of ``rpc``; returns its connection failure (None: not one).
 
-        Logs the failure at WARNING the first time its cause is seen in an outage, else at DEBUG. The
-        caller waits ``min(delay, remaining())`` before its next attempt, so the last one lands at the
-        timeout itself.
+        Logs the failure at WARNING the first time its cause is seen at that address in an outage, else
+        at DEBUG. The caller waits ``min(delay, remaining())`` before its next attempt, so the last one
+        lands at the timeout itself.
+
+        Args:
+            rpc: The call's name, for the messages.
+            code: Its status code.
+            details: Its details.
+            connected: Whether the channel was connected.
+            retry: The number of the retry that comes next (from 1).
+            delay: The wait before it, in seconds.
+            address: The address the call went to (default: the first).
+            next_address: The address the retry goes to, when it is another one.
 
         Raises:
-            Unavailable: the outage has lasted ``connect_timeout``; the message names the last cause.
+            Unavailable: the outage has lasted ``connect_timeout``; the message names the last cause at
+                every address that failed.
         """
+        where = self.address if address is None else address
         failure = classify(
             code,
             details,
-            address=self.address,
+            address=where,
             tls=self._tls,
             ca_file=self._ca_file,
             connected=connected,
-            answered_before=self._answered,
+            answered_before=where in self._answered,
         )
         if failure is None:
-            self.answered()
+            self.answered(where)
             return None
+        now = self._clock()
         if self._since is None:
-            self._since = self._clock()
+            self._since = now
+        self._down_since.setdefault(where, now)
         self.last = failure
-        fields = {"rpc": rpc, "server": self.address, "cause": str(failure.cause), "attempt": retry}
+        self._failures[where] = failure
+        fields = {"rpc": rpc, "server": where, "cause": str(failure.cause), "attempt": retry}
         remaining = self.remaining()
         if remaining <= 0:
             raise Unavailable(
-                f"{rpc}: gave up after {self._timeout:g}s without a connection (connect_timeout): {failure}"
+                f"{rpc}: gave up after {self._timeout:g}s without a connection (connect_timeout): "
+                f"{self.describe()}"
             )
         delay = min(delay, remaining)
-        if failure.cause is not self._warned:
-            self._warned = failure.cause
+        moving = next_address is not None and next_address != where
+        then = (
+            f"trying {next_address} now"
+            if moving and delay <= 0
+            else f"retry {retry}{f' at {next_address}' if moving else ''} in {delay:.3f}s"
+        )
+        if failure.cause is not self._warned.get(where):
+            self._warned[where] = failure.cause
             limit = (
                 f"gives up after {self._timeout:g}s (--connect-timeout)" if self._timeout > 0 else "for ever"
             )
             self._log.warning(
-                f"{rpc}: {failure}; retry {retry} in {delay:.3f}s, then quietly while the cause stays the "
-                f"same; {limit}",
+                f"{rpc}: {failure}; {then}, then quietly while the cause stays the same; {limit}",
                 extra=fields,
             )
         else:
-            self._log.debug(
-                f"{rpc}: {failure}; retry {retry} in {delay:.3f}s", extra={**fields, "detail": details}
-            )
+            self._log.debug(f"{rpc}: {failure}; {then}", extra={**fields, "detail": details})
         return failure

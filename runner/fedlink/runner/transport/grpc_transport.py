@@ -6,6 +6,13 @@
 * **One process per state directory**: :meth:`GrpcTransport.open` locks it (see
   :meth:`~fedlink.runner.transport.state.StateDir.lock`) until :meth:`GrpcTransport.close`.
 * **TLS** from a CA file, or plaintext only when ``insecure=True`` is given explicitly.
+* **Several coordinators**: ``server`` may list several addresses, comma-separated (replicas on one
+  shared store; see :mod:`~fedlink.runner.transport.addresses`). Each has its own channel; calls go to
+  one address until it fails with UNAVAILABLE or DEADLINE_EXCEEDED, then to the next one at once; when
+  every address has failed since the last answer, the transport waits a backoff (full jitter, growing
+  with each such round) before it goes round again. An error the coordinator answered is never a
+  reason to move. The identity, the pending results and every request id stay as they are: a credential
+  one replica issued is valid on the others.
 * **Retries**: UNAVAILABLE, DEADLINE_EXCEEDED and ABORTED (and connection failures, which gRPC
   reports as UNAVAILABLE) are retried with exponential backoff and full jitter; RESOURCE_EXHAUSTED,
   INTERNAL and UNKNOWN a few times; everything else cannot succeed by retrying and is raised at once as
@@ -57,6 +64,7 @@ from fedlink.common.errors import (
 from fedlink.common.files import FileLock
 from fedlink.common.retry_info import retry_after_of
 from fedlink.common.version import PROTOCOL_VERSION
+from fedlink.runner.transport.addresses import CoordinatorAddress, fails_over, parse_addresses
 from fedlink.runner.transport.backoff import Backoff
 from fedlink.runner.transport.base import (
     Ack,
@@ -117,7 +125,8 @@ class GrpcTransportConfig:
     """How to reach the coordinator and where the device keeps its state."""
 
     server: str
-    """``host:port`` of the coordinator."""
+    """``host:port`` of the coordinator, or several addresses of its replicas, comma-separated (tried in
+    order; see :mod:`~fedlink.runner.transport.addresses`)."""
     state_dir: Path
     """Directory for the identity and pending results (created 0700)."""
     ca_cert: Path | None = None
@@ -147,10 +156,11 @@ class GrpcTransportConfig:
     """Chunk size of blob uploads and downloads (the protocol's upper bound is 1 MiB)."""
     max_message_bytes: int = 64 * 1024**2
     """Largest gRPC message sent or received."""
+    addresses: tuple[CoordinatorAddress, ...] = field(init=False, repr=False, compare=False)
+    """``server`` parsed: the addresses in the order they are tried."""
 
     def __post_init__(self) -> None:
-        if not self.server or ":" not in self.server:
-            raise InvalidArgument(f"server must be host:port, got {self.server!r}")
+        object.__setattr__(self, "addresses", parse_addresses(self.server, what="server"))
         if self.insecure and self.ca_cert is not None:
             raise InvalidArgument("insecure and ca_cert exclude each other: pick one")
         if self.connect_timeout < timedelta(0):
@@ -171,8 +181,9 @@ class GrpcTransport(Transport):
         self.config = config
         #: Read now: a CA file that is not PEM is a mistake to fix, not a handshake retried for ever.
         self._root_certificates = None if config.ca_cert is None else read_ca_file(config.ca_cert)
+        self._addresses = tuple(address.text for address in config.addresses)
         self._watch = ConnectionWatch(
-            config.server,
+            self._addresses,
             tls=not config.insecure,
             ca_file=config.ca_cert,
             connect_timeout=config.connect_timeout,
@@ -180,8 +191,15 @@ class GrpcTransport(Transport):
         )
         self.state = StateDir(config.state_dir)
         self._lock: FileLock | None = None
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.RunnerServiceAsyncStub | None = None
+        #: One channel (and stub) per address, made in :meth:`open`; calls use ``_serving``'s.
+        self._channels: list[grpc.aio.Channel] = []
+        self._stubs: list[pb_grpc.RunnerServiceAsyncStub] = []
+        self._serving = 0
+        #: Addresses that failed over since the last answer, and the rounds of all of them failing.
+        self._failed_over: set[int] = set()
+        self._rounds = 0
+        #: The address calls moved away from, until the new one answers (for the INFO line then).
+        self._moved_from: str | None = None
         self._identity: Identity | None = None
         #: Every failed attempt, as ``(rpc, grpc code name)``: for logs, metrics and tests.
         self.failed_attempts: list[tuple[str, str]] = []
@@ -203,22 +221,27 @@ class GrpcTransport(Transport):
         """
         if self._lock is None:
             self._lock = self.state.lock()
-        if self._channel is None:
-            self._channel = self._make_channel()
-            self._stub = pb_grpc.RunnerServiceStub(self._channel)
+        if not self._channels:
+            self._channels = [self._make_channel(address) for address in self._addresses]
+            self._stubs = [pb_grpc.RunnerServiceStub(channel) for channel in self._channels]
         await self._ensure_identity()
         await self.flush_pending()
 
     async def close(self) -> None:
-        """Closes the channel and lets the state directory go; safe to call twice."""
-        channel, self._channel, self._stub = self._channel, None, None
-        if channel is not None:
+        """Closes the channels and lets the state directory go; safe to call twice."""
+        channels, self._channels, self._stubs = self._channels, [], []
+        for channel in channels:
             await channel.close()
         lock, self._lock = self._lock, None
         if lock is not None:
             lock.release()
 
-    def _make_channel(self) -> grpc.aio.Channel:
+    @property
+    def address(self) -> str:
+        """The coordinator address calls go to now (the first until one fails over)."""
+        return self._addresses[self._serving]
+
+    def _make_channel(self, address: str) -> grpc.aio.Channel:
         base_ms = int(self.config.backoff.base.total_seconds() * 1000)
         cap_ms = int(self.config.backoff.cap.total_seconds() * 1000)
         options = [
@@ -230,23 +253,26 @@ class GrpcTransport(Transport):
             ("grpc.min_reconnect_backoff_ms", max(base_ms, 100)),
             ("grpc.max_reconnect_backoff_ms", max(cap_ms, base_ms, 100)),
             ("grpc.enable_retries", 0),  # we retry, with request ids; no second layer below us
+            # A name with several A/AAAA records: connect to the first that accepts, one connection
+            # (the default policy, said here because the failover above relies on it).
+            ("grpc.lb_policy_name", "pick_first"),
         ]
         if self.config.insecure:
-            return grpc.aio.insecure_channel(self.config.server, options=options)
+            return grpc.aio.insecure_channel(address, options=options)
         credentials = grpc.ssl_channel_credentials(root_certificates=self._root_certificates)
-        return grpc.aio.secure_channel(self.config.server, credentials, options=options)
+        return grpc.aio.secure_channel(address, credentials, options=options)
 
     @property
     def connection_problem(self) -> str:
-        """Why the coordinator cannot be reached now, with its address ("" while it answers)."""
-        failure = self._watch.last
-        return "" if failure is None else str(failure)
+        """Why the coordinator cannot be reached now, with its address or addresses ("" while it
+        answers)."""
+        return self._watch.describe()
 
     @property
     def _rpc(self) -> pb_grpc.RunnerServiceAsyncStub:
-        if self._stub is None:
+        if not self._stubs:
             raise FailedPrecondition("the transport is closed")
-        return self._stub
+        return self._stubs[self._serving]
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         if self._identity is None or not self._identity.enrolled:
@@ -280,7 +306,7 @@ class GrpcTransport(Transport):
         )
         self.state.save_identity(identity)
         self._identity = identity
-        _log.info("enrolled", extra={"device_id": identity.device_id, "server": self.config.server})
+        _log.info("enrolled", extra={"device_id": identity.device_id, "server": self.address})
 
     async def _enroll(self, request_id: str) -> pb.EnrollResponse:
         request = pb.EnrollRequest(
@@ -301,7 +327,7 @@ class GrpcTransport(Transport):
     async def sign_off(self, reason: str) -> None:
         """Tells the coordinator the device stops: one attempt within ``per_request``, not retried (the
         runner is on its way out); a fault is logged, and the coordinator notices the silence later."""
-        if self._stub is None or self._identity is None or not self._identity.enrolled:
+        if not self._stubs or self._identity is None or not self._identity.enrolled:
             return
         request = pb.SignOffRequest(reason=reason[:200], request_id=str(uuid.uuid4()))
         try:
@@ -338,39 +364,85 @@ class GrpcTransport(Transport):
                 if code not in _TRANSIENT and (
                     code not in _MAYBE_TRANSIENT or limited > self.config.limited_retries
                 ):
-                    self._watch.answered()
+                    self._answered()
                     raise self._error(rpc, exc) from None
                 failures += 1
                 await asyncio.sleep(self._retry_delay(rpc, exc, failures))
             else:
-                self._watch.answered()
+                self._answered()
                 return reply
 
-    def _retry_delay(self, rpc: str, exc: grpc.aio.AioRpcError, retry: int) -> float:
-        """The wait before retry number ``retry`` (from 1) of ``rpc``, after it failed with ``exc``.
+    def _answered(self) -> None:
+        """The current address answered (a reply, or a fault of the coordinator's own)."""
+        address = self.address
+        self._watch.answered(address)
+        if self._moved_from is not None:
+            _log.info(
+                f"now using the coordinator at {address} (moved from {self._moved_from})",
+                extra={"server": address},
+            )
+            self._moved_from = None
+        self._failed_over.clear()
+        self._rounds = 0
 
-        A connection failure is logged by the watch (once at WARNING per cause); any other transient fault
-        here, at INFO.
+    def _retry_delay(self, rpc: str, exc: grpc.aio.AioRpcError, retry: int) -> float:
+        """The wait before retry number ``retry`` (from 1) of ``rpc``, after it failed with ``exc``; moves
+        to the next address first when the fault says this one cannot serve (see the module docstring).
+
+        A connection failure is logged by the watch (once at WARNING per cause and address); any other
+        transient fault here, at INFO.
 
         Raises:
             Unavailable: the coordinator has been unreachable for ``connect_timeout``.
         """
-        delay = self.config.backoff.after(retry_after_of(exc.trailing_metadata()), retry - 1)
-        details = exc.details() or ""
+        code, details = exc.code(), exc.details() or ""
+        address, connected = self.address, self._connected()
+        retry_after = retry_after_of(exc.trailing_metadata())
+        moves = len(self._addresses) > 1 and fails_over(code)
+        if moves:
+            self._failed_over.add(self._serving)
+            following = (self._serving + 1) % len(self._addresses)
+            if following in self._failed_over:
+                # Every address failed since the last answer: back off before going round again.
+                delay = self.config.backoff.after(retry_after, self._rounds)
+                self._rounds += 1
+                self._failed_over.clear()
+            else:
+                delay = 0.0
+            self._serving = following
+            self._moved_from = self._moved_from or address
+        else:
+            delay = self.config.backoff.after(retry_after, retry - 1)
         failure = self._watch.failed(
-            rpc, exc.code(), details, connected=self._connected(), retry=retry, delay=delay
+            rpc,
+            code,
+            details,
+            connected=connected,
+            retry=retry,
+            delay=delay,
+            address=address,
+            next_address=self.address,
         )
         if failure is not None:
             return min(delay, self._watch.remaining())
+        where = f" at {address}" if len(self._addresses) > 1 else ""
+        then = f"trying {self.address} now" if moves and delay <= 0 else f"retry {retry} in {delay:.3f}s"
         _log.info(
-            f"{rpc} failed ({exc.code().name}: {details}), retry {retry} in {delay:.3f}s",
-            extra={"rpc": rpc, "code": exc.code().name, "attempt": retry, "delay_s": round(delay, 3)},
+            f"{rpc} failed{where} ({code.name}: {details}), {then}",
+            extra={
+                "rpc": rpc,
+                "code": code.name,
+                "attempt": retry,
+                "delay_s": round(delay, 3),
+                "server": address,
+            },
         )
         return delay
 
     def _connected(self) -> bool:
-        channel = self._channel
-        return channel is not None and channel.get_state() is grpc.ChannelConnectivity.READY
+        return bool(self._channels) and (
+            self._channels[self._serving].get_state() is grpc.ChannelConnectivity.READY
+        )
 
     def _error(self, rpc: str, exc: grpc.aio.AioRpcError) -> FedlinkError:
         details = exc.details() or exc.code().name
@@ -545,7 +617,7 @@ class GrpcTransport(Transport):
             except grpc.aio.AioRpcError as exc:
                 self.failed_attempts.append(("DownloadBlob", exc.code().name))
                 if exc.code() not in _TRANSIENT:
-                    self._watch.answered()
+                    self._answered()
                     raise self._error("DownloadBlob", exc) from None
                 failures += 1
                 _log.info(
@@ -553,7 +625,7 @@ class GrpcTransport(Transport):
                 )
                 await asyncio.sleep(self._retry_delay("DownloadBlob", exc, failures))
                 continue
-            self._watch.answered()
+            self._answered()
             if size_bytes and len(buffer) != size_bytes:
                 raise InvalidArgument(f"blob {sha256}: got {len(buffer)} bytes, expected {size_bytes}")
             if hashlib.sha256(buffer).hexdigest() != sha256:
@@ -585,7 +657,7 @@ class GrpcTransport(Transport):
                     metadata=self._metadata(),
                     timeout=self._per_request,
                 )
-                self._watch.answered()
+                self._answered()
                 if status.complete:
                     return sha
                 reply = await self._rpc.UploadBlob(
@@ -597,7 +669,7 @@ class GrpcTransport(Transport):
             except grpc.aio.AioRpcError as exc:
                 self.failed_attempts.append(("UploadBlob", exc.code().name))
                 if exc.code() not in _TRANSIENT:
-                    self._watch.answered()
+                    self._answered()
                     raise self._error("UploadBlob", exc) from None
                 failures += 1
                 _log.info("blob upload interrupted, resuming", extra={"sha256": sha})

@@ -6,6 +6,11 @@ the health protocol's two messages are small enough to encode here (``grpc.healt
 with ``string service = 1``, a response with the enum ``status = 1``), so neither the server extra's
 ``grpcio-health-checking`` nor generated stubs are needed. The TLS options are the operator commands'
 (``fedlink job``): the data directory's CA by default, ``--ca-cert``, or ``--insecure``.
+
+With several addresses (``--server a:8443,b:8443``) the check goes to each in turn until one answers,
+as every operator command does (:class:`~fedlink.server.cli.client.FailoverChannel`): the line names the
+address that answered, and its answer decides the exit code (NOT_SERVING is an answer, not a reason to
+ask the next one). When none answers, the line names every address and why.
 """
 
 from __future__ import annotations
@@ -16,7 +21,13 @@ from typing import Final
 import click
 import grpc
 
-from fedlink.server.cli.client import CA_CERT_OPTION, INSECURE_OPTION, SERVER_OPTION, ConnectionOptions
+from fedlink.server.cli.client import (
+    CA_CERT_OPTION,
+    INSECURE_OPTION,
+    SERVER_OPTION,
+    ConnectionOptions,
+    NoCoordinatorAnswered,
+)
 from fedlink.server.settings import default_data_dir
 
 __all__ = ["EXIT_NOT_SERVING", "EXIT_SERVING", "check_health", "health_command"]
@@ -121,7 +132,7 @@ def check_health(channel: grpc.Channel, service: str = "", *, timeout: float = 5
     type=click.FloatRange(min=0, min_open=True),
     default=5.0,
     show_default=True,
-    help="Seconds to wait for the answer.",
+    help="Seconds to wait for the answer (of each address, with several).",
 )
 def health_command(
     server: str, ca_cert: Path | None, insecure: bool, data_dir: Path | None, service: str, timeout: float
@@ -141,21 +152,28 @@ def health_command(
     with options.channel() as channel:
         try:
             status = check_health(channel, service, timeout=timeout)
+        except NoCoordinatorAnswered as exc:
+            click.echo(f"{server}: UNREACHABLE: {exc.details()}", err=True)
+            raise click.exceptions.Exit(EXIT_NOT_SERVING) from None
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
             details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
+            where = channel.address  # the one that answered, or the only one
             if code is grpc.StatusCode.NOT_FOUND:
-                click.echo(f"{server}: SERVICE_UNKNOWN: no health status for service {service!r}")
+                click.echo(f"{where}: SERVICE_UNKNOWN: no health status for service {service!r}")
             elif code is grpc.StatusCode.UNAVAILABLE:
-                click.echo(f"{server}: UNREACHABLE: {details}", err=True)
+                click.echo(f"{where}: UNREACHABLE: {details}", err=True)
             elif code is grpc.StatusCode.DEADLINE_EXCEEDED:
-                click.echo(f"{server}: NO ANSWER within {timeout:g}s", err=True)
+                click.echo(f"{where}: NO ANSWER within {timeout:g}s", err=True)
             else:
-                click.echo(f"{server}: health check failed: {code.name}: {details}", err=True)
+                click.echo(f"{where}: health check failed: {code.name}: {details}", err=True)
             raise click.exceptions.Exit(EXIT_NOT_SERVING) from None
         except ValueError as exc:
-            click.echo(f"{server}: the health reply is not a grpc.health.v1 response: {exc}", err=True)
+            click.echo(
+                f"{channel.address}: the health reply is not a grpc.health.v1 response: {exc}", err=True
+            )
             raise click.exceptions.Exit(EXIT_NOT_SERVING) from None
-    click.echo(f"{server}: {status}" + (f" ({service})" if service else ""))
+        where = channel.address
+    click.echo(f"{where}: {status}" + (f" ({service})" if service else ""))
     if status != "SERVING":
         raise click.exceptions.Exit(EXIT_NOT_SERVING)
