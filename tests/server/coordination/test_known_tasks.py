@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from datetime import UTC, datetime
 
-from fedlink.server.coordination.known_tasks import KnownTasks
+from fedlink.server.coordination.known_tasks import KnownTasks, remember
 from fedlink.server.domain import Task, TaskState
 
 
@@ -33,3 +34,12 @@ def test_the_oldest_task_goes_first_once_full() -> None:
     known.add([c])
     assert known.get("a") is None and known.get("b") == b and known.get("c") == c
     assert "c" in known and "a" not in known
+
+
+def test_a_full_cache_keeps_the_newest_entries_in_order_through_many_evictions() -> None:
+    cache: OrderedDict[str, int] = OrderedDict()
+    for i in range(5_000):
+        remember(cache, f"k{i}", i, 1_000)
+    assert list(cache) == [f"k{i}" for i in range(4_000, 5_000)]
+    remember(cache, "k4500", -1, 1_000)  # a known key is updated in place, nothing is dropped
+    assert len(cache) == 1_000 and cache["k4500"] == -1 and next(iter(cache)) == "k4000"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -12,10 +13,15 @@ _V = TypeVar("_V")
 _KNOWN_TASKS = 100_000
 
 
-def remember(cache: dict[str, _V], key: str, value: _V, limit: int) -> None:
-    """Puts ``key`` in a bounded cache, dropping the oldest entry when it is full."""
+def remember(cache: OrderedDict[str, _V], key: str, value: _V, limit: int) -> None:
+    """Puts ``key`` in a bounded cache, dropping the oldest entry when it is full.
+
+    An OrderedDict, not a dict: ``dict.pop(next(iter(d)))`` walks the holes the earlier pops left at
+    the front of the dict's entry table, so a full cache of 100,000 spent O(evicted) per eviction
+    (seconds per round at 100,000 devices); ``popitem(last=False)`` is O(1).
+    """
     if key not in cache and len(cache) >= limit:
-        cache.pop(next(iter(cache)))
+        cache.popitem(last=False)
     cache[key] = value
 
 
@@ -29,7 +35,7 @@ class KnownTasks:
 
     def __init__(self, limit: int = _KNOWN_TASKS) -> None:
         self._limit = limit
-        self._tasks: dict[str, Task] = {}
+        self._tasks: OrderedDict[str, Task] = OrderedDict()
 
     def get(self, task_id: str) -> Task | None:
         """The task, if known."""

@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -265,7 +266,7 @@ class DeviceProtocol:
         self._enrolments = Enrolments(store, key=enrolment_key, clock=clock, policy=config.enrolment)
         # What each device last asked GetJob for, as this coordinator recorded it: a device that keeps
         # asking the same costs no write (see _record_poll).
-        self._polled: dict[str, str] = {}
+        self._polled: OrderedDict[str, str] = OrderedDict()
         self._polls: Batcher[tuple[str, str], None] = Batcher(self._poll_batch, max_batch=_WRITE_BATCH)
         self._authenticator = DeviceAuthenticator(store)  # one credential read per batch of calls
         self._reports: Batcher[_StagedReport, RecordOutcome] = Batcher(
@@ -274,12 +275,12 @@ class DeviceProtocol:
         # Whether a report's assignment is still open, read before a large payload is decoded.
         self._open: Batcher[str, bool] = Batcher(self._open_batch, max_batch=_WRITE_BATCH)
         # Assignments this coordinator recorded a result for, or released: none takes another result.
-        self._closed: dict[str, None] = {}
+        self._closed: OrderedDict[str, None] = OrderedDict()
         self._seen: set[str] = set()
         self._payloads = SharedReads(self._read_payload, _PAYLOAD_CACHE)
         self._tasks = known_tasks if known_tasks is not None else KnownTasks()
         self._prefetched_rounds: set[tuple[str, int]] = set()
-        self._assignments: dict[str, Assignment] = {}
+        self._assignments: OrderedDict[str, Assignment] = OrderedDict()
         self._accepting = True
 
     # ---- lifecycle ----

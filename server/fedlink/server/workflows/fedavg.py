@@ -293,6 +293,9 @@ class FedAvg:
         #: in-process change signals (results, releases; expiries and job changes urgently): this only
         #: bounds how late a change this process is not told about (another replica's) is seen.
         self._max_unread = max(10 * min_check_seconds, poll_seconds)
+        #: Not before then is the round looked at again for unclaimed tasks: the last look found late
+        #: ones but no device to give them to (they stay with their device, which may still come).
+        self._pickup_recheck: datetime | None = None
 
     async def run(self, ctx: WorkflowContext) -> None:
         """Runs rounds from the run's last checkpoint to ``num_rounds``."""
@@ -419,6 +422,7 @@ class FedAvg:
         run_id = ctx.run.run_id
         # Counted in the store: a restarted coordinator resumes a round with the retries it had taken.
         retries = 0 if fresh else await ctx.store.round_retries(run_id=run_id, round=round_no, name=name)
+        self._pickup_recheck = None
         if fresh:
             await self._start_wave(ctx, round_no, name, payload_sha, None, devices, wave=0)
         while True:
@@ -438,6 +442,8 @@ class FedAvg:
                 pickup = timedelta(seconds=self.params.pickup_timeout_s)
                 unclaimed = summary.oldest_unclaimed
                 pickup_due = unclaimed + pickup if unclaimed is not None and devices is None else None
+                if pickup_due is not None and self._pickup_recheck is not None:
+                    pickup_due = max(pickup_due, self._pickup_recheck)
                 late = pickup_due is not None and pickup_due <= now
                 if short and (summary.lost_open or late) and now < deadline and devices is None:
                     view = await self._view(ctx, round_no, name)
@@ -586,21 +592,35 @@ class FedAvg:
         *,
         unclaimed_before: datetime,
     ) -> bool:
-        """Closes open tasks whose device was lost (or did not claim its task created before
-        ``unclaimed_before``) and offers each to a device not asked this round."""
-        lost = [t for t in view.open() if view.lost(t, unclaimed_before=unclaimed_before)]
-        if not lost:
+        """Closes open tasks whose device was lost and offers each to a device not asked this round;
+        likewise tasks not claimed by ``unclaimed_before``, as far as there are devices to ask.
+
+        An unclaimed task with nobody to replace its device stays open: its device may still come (at
+        100,000 simulated devices the last ones claim more than a pickup timeout after the round's
+        start), and closing it would leave the round short until its deadline.
+        """
+        dead = [t for t in view.open() if view.lost(t)]
+        late = [
+            t for t in view.open() if not view.lost(t) and view.lost(t, unclaimed_before=unclaimed_before)
+        ]
+        if not dead and not late:
             return False
         asked = view.asked()
         candidates = [d for d in await self._eligible(ctx) if d not in asked]
+        spare = max(0, len(candidates) - len(dead))
+        if late and spare < len(late):
+            self._pickup_recheck = ctx.clock.now() + timedelta(seconds=self.params.pickup_timeout_s)
+        closing = dead + late[:spare]
+        if not closing:
+            return False
         chosen = sample_devices(
             candidates,
-            min(len(lost), len(candidates)),
+            min(len(closing), len(candidates)),
             seed=self.params.seed,
             round=round_no,
             wave=len(view.tasks),
         )
-        for task in lost:
+        for task in closing:
             await ctx.store.close_task(task.task_id)
         await self._hand_out(ctx, round_no, name, payload_sha, chosen, deadline)
         return True

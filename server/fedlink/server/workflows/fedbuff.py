@@ -33,6 +33,7 @@ it reads the selection's assignments from the store when a signal it was not han
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import json
 import logging
@@ -52,7 +53,6 @@ from fedlink.server.domain import TRAIN_TASK, AssignmentState, Result, Task, Tas
 from fedlink.server.domain.updates import model_spec
 from fedlink.server.workflows.base import WorkflowContext
 from fedlink.server.workflows.buffer import UpdateBuffer
-from fedlink.server.workflows.fedavg import sample_devices
 from fedlink.server.workflows.folding import THREAD_ELEMENTS, LazyModel
 from fedlink.server.workflows.params import WorkflowParams, seconds_field
 
@@ -65,6 +65,10 @@ _HELD_BYTES = 256 * 1024**2
 _LOST = frozenset({AssignmentState.EXPIRED, AssignmentState.RELEASED})
 #: The longest the workflow waits for the report path to settle a report the store recorded.
 _SETTLE_WAIT_S = 5.0
+#: How old the list of eligible devices a refill samples from may be (reading it walks every online
+#: device: at 100,000 devices, once per refill made the run quadratic), and how old when it falls short.
+_ELIGIBLE_MAX_AGE_S = 10.0
+_ELIGIBLE_SHORT_AGE_S = 1.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -308,6 +312,82 @@ class _Counters:
         }
 
 
+class _Candidates:
+    """The eligible devices as last read (sorted by id), sampled from without a walk of all of them.
+
+    A refill excludes the devices in the selection (and, without ``device_reuse``, or for ``balanced``
+    sampling's least-used tier, every device used so far): those are kept as sorted positions in the
+    list, so the ``i``-th device not excluded is found by a walk of the exclusions, and a sample of
+    ``k`` costs O(k + exclusions), not O(devices).
+    """
+
+    def __init__(self) -> None:
+        self.devices: list[str] = []
+        self.read_at = -math.inf
+        #: Positions in ``devices`` of the devices used so far, sorted.
+        self._used_at: list[int] = []
+
+    def position(self, device: str) -> int | None:
+        at = bisect.bisect_left(self.devices, device)
+        return at if at < len(self.devices) and self.devices[at] == device else None
+
+    async def refresh(self, ctx: WorkflowContext, uses: Counter[str], *, max_age: float) -> None:
+        """Reads the eligible devices again if the list is older than ``max_age`` seconds."""
+        loop = asyncio.get_running_loop()
+        if loop.time() - self.read_at < max_age:
+            return
+        self.devices = await ctx.eligible_devices()
+        self.read_at = loop.time()
+        self._used_at = sorted(at for d in uses if (at := self.position(d)) is not None)
+
+    def note_used(self, device: str) -> None:
+        """``device`` got its first task of the run."""
+        at = self.position(device)
+        if at is not None:
+            bisect.insort(self._used_at, at)
+
+    def _busy_at(self, busy: set[str]) -> list[int]:
+        return sorted(at for d in busy if (at := self.position(d)) is not None)
+
+    def usable(self, busy: set[str], *, reuse: bool) -> int:
+        """How many listed devices a refill may pick (the selection's devices are used ones)."""
+        return len(self.devices) - (len(self._busy_at(busy)) if reuse else len(self._used_at))
+
+    def pick(self, excluded_at: Sequence[int], k: int, rng: np.random.Generator) -> list[str]:
+        """``k`` listed devices not at ``excluded_at`` (sorted positions), uniformly, in id order."""
+        free = len(self.devices) - len(excluded_at)
+        chosen = range(free) if k >= free else sorted(int(i) for i in rng.choice(free, size=k, replace=False))
+        picked: list[str] = []
+        skip = 0
+        for i in chosen:  # the i-th free position: i plus the exclusions at or before it
+            while skip < len(excluded_at) and excluded_at[skip] <= i + skip:
+                skip += 1
+            picked.append(self.devices[i + skip])
+        return picked
+
+    def sample(
+        self,
+        k: int,
+        busy: set[str],
+        uses: Counter[str],
+        *,
+        balanced: bool,
+        reuse: bool,
+        rng: np.random.Generator,
+    ) -> list[str]:
+        """``k`` devices for a refill (see :meth:`FedBuff._sample`)."""
+        if not balanced:
+            return self.pick(self._busy_at(busy) if reuse else self._used_at, k, rng)
+        unused = self.pick(self._used_at, k, rng)  # the least used tier: devices with no task yet
+        if len(unused) >= k or not reuse:
+            return unused
+        # Every unused device is taken: the rest by fewest uses, random ties (walks the used ones only).
+        used = [d for d in uses if d not in busy and self.position(d) is not None]
+        ties = rng.random(len(used))
+        order = sorted(range(len(used)), key=lambda i: (uses[used[i]], ties[i]))[: k - len(unused)]
+        return sorted(unused + [used[i] for i in order])
+
+
 class FedBuff:
     """The FedBuff workflow (see the module docstring)."""
 
@@ -329,6 +409,7 @@ class FedBuff:
         self._models: dict[int, LazyModel] = {}
         self._buffer = UpdateBuffer({})
         self._uses: Counter[str] = Counter()
+        self._candidates = _Candidates()
         self._on_version = 0
         self._counters = _Counters()
         self._short_since: datetime | None = None
@@ -651,18 +732,19 @@ class FedBuff:
         if holes < params.min_hole_to_fill:
             return
         busy = {s.device for s in self._slots.values()}
-        usable = [
-            d
-            for d in await ctx.eligible_devices()
-            if d not in busy and (params.device_reuse or d not in self._uses)
-        ]
-        self._usable = len(usable)
-        if len(usable) < holes:
+        candidates = self._candidates
+        await candidates.refresh(ctx, self._uses, max_age=_ELIGIBLE_MAX_AGE_S)
+        usable = candidates.usable(busy, reuse=params.device_reuse)
+        if usable < holes:  # devices may have come since the list was read
+            await candidates.refresh(ctx, self._uses, max_age=_ELIGIBLE_SHORT_AGE_S)
+            usable = candidates.usable(busy, reuse=params.device_reuse)
+        self._usable = usable
+        if usable < holes:
             if self._short_since is None:
                 self._short_since = ctx.clock.now()
             if self._counters.handed_out == 0 or not usable:
                 return
-        chosen = self._sample(usable, min(holes, len(usable)))
+        chosen = self._sample(busy, min(holes, usable))
         tasks = await ctx.hand_out(
             TRAIN_TASK,
             self._model_sha,
@@ -673,26 +755,32 @@ class FedBuff:
         )
         for task, device in zip(tasks, chosen, strict=True):
             self._slots[task.task_id] = _Slot(task, device)
+            if not self._uses[device]:
+                candidates.note_used(device)
             self._uses[device] += 1
         self._on_version += len(tasks)
         self._counters.handed_out += len(tasks)
         if len(self._slots) >= params.device_selection_size:
             self._short_since = None
 
-    def _sample(self, usable: Sequence[str], k: int) -> list[str]:
-        """``k`` of ``usable``, seeded by (seed, version + 1, tasks handed out on this version).
+    def _sample(self, busy: set[str], k: int) -> list[str]:
+        """``k`` eligible devices outside the selection, seeded by (seed, version + 1, tasks handed out
+        on this version), in id order.
 
-        ``random`` picks as FedAvg samples a round (so the first fill of each version picks FedAvg's
-        devices of the round that trains on it); ``balanced`` takes the least used devices first.
+        ``random`` picks uniformly (without ``device_reuse``, among the devices never used);
+        ``balanced`` takes the least used devices first, uniformly among equals. Either costs
+        O(k + devices used so far), not O(eligible devices) (see :class:`_Candidates`).
         """
         version, wave = self._version + 1, self._on_version
-        if self.params.device_sampling_strategy == "random":
-            return sample_devices(usable, k, seed=self.params.seed, round=version, wave=wave)
-        ordered = sorted(usable)
         rng = np.random.default_rng([self.params.seed & 0xFFFFFFFF, version, wave])
-        ties = rng.random(len(ordered))
-        picks = sorted(range(len(ordered)), key=lambda i: (self._uses[ordered[i]], ties[i]))[:k]
-        return [ordered[i] for i in sorted(picks)]
+        return self._candidates.sample(
+            k,
+            busy,
+            self._uses,
+            balanced=self.params.device_sampling_strategy == "balanced",
+            reuse=self.params.device_reuse,
+            rng=rng,
+        )
 
     def _check_wait(self, now: datetime) -> None:
         """Fails the run once the selection could not be filled for ``device_wait_timeout``."""
