@@ -110,6 +110,46 @@ async def test_a_sampled_device_that_never_picks_up_is_replaced_after_the_pickup
     assert described == PICKUP_TIMEOUT_S
 
 
+async def test_a_late_device_with_nobody_to_replace_it_keeps_its_task(coordinator: Coordinator) -> None:
+    # Every device is in the round, so a late one has no replacement: closing its task at the pickup
+    # timeout would leave the round short until its deadline. It keeps the task and the round closes
+    # with its result as soon as it reports.
+    assert coordinator.endpoint is not None
+    admin = (("authorization", f"Bearer {coordinator.admin_token}"),)
+    async with grpc.aio.insecure_channel(coordinator.endpoint.address) as channel:
+        control: cgrpc.ControlServiceAsyncStub = cgrpc.ControlServiceStub(channel)
+        devices = [await StubDevice(channel).enroll() for _ in range(3)]
+        for device in devices:
+            assert (await device.get_job()).status == rpb.RUNNER_STATUS_NO_JOB
+        spec = cpb.JobSpec(name="liveness", initial_model=dxo_pb2.BlobRef(sha256=""))
+        spec.initial_model.sha256 = await upload_model(
+            control, weights_dxo({"w": np.zeros(3, np.float32)}), admin
+        )
+        spec.fedavg.num_rounds = 1
+        spec.fedavg.devices_per_round = 3
+        spec.fedavg.round_timeout.FromSeconds(ROUND_TIMEOUT_S)
+        spec.fedavg.pickup_timeout.FromSeconds(PICKUP_TIMEOUT_S)
+        job_id = (await control.SubmitJob(cpb.SubmitJobRequest(spec=spec), metadata=admin)).job.job_id
+        started = time.monotonic()
+        *prompt, late = devices
+        for device in devices:
+            assert (await device.get_job()).job_id == job_id
+
+        async def late_train() -> int:
+            await asyncio.sleep(3 * PICKUP_TIMEOUT_S)  # well past its pickup timeout
+            return await _train(late, job_id)
+
+        done = await asyncio.wait_for(
+            asyncio.gather(*(_train(d, job_id) for d in prompt), late_train()), ROUND_TIMEOUT_S / 2
+        )
+        took = time.monotonic() - started
+        job = (await control.DescribeJob(cpb.DescribeJobRequest(job_id=job_id), metadata=admin)).job
+
+    assert job.state == states_pb2.JOB_STATE_FINISHED, job.message
+    assert done == [1, 1, 1]  # the late device's task was still its own
+    assert took < ROUND_TIMEOUT_S / 2  # the round did not wait for its deadline
+
+
 # ---- sign-offs, polls and the online window ------------------------------------------------------
 
 #: Long enough that a round waiting for a device that went away would blow the test's time bound.
