@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 
 from fedlink.common.errors import InvalidArgument, ResourceExhausted
 from fedlink.server.store import CHUNK_SIZE, BlobRef, BlobStore, UploadQuota
@@ -79,6 +80,7 @@ async def send_blob(
     if chunk_size < 1:
         raise InvalidArgument("max_chunk_bytes must be positive")
     position = offset
-    async for chunk in blobs.iter_chunks(sha256, offset, chunk_size):
-        yield position, chunk, blob.size_bytes
-        position += len(chunk)
+    async with aclosing(blobs.iter_chunks(sha256, offset, chunk_size)) as chunks:  # its file, at once
+        async for chunk in chunks:
+            yield position, chunk, blob.size_bytes
+            position += len(chunk)

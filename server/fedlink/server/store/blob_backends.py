@@ -13,7 +13,7 @@ import hashlib
 import os
 import stat
 import time
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncGenerator, Collection, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import BinaryIO, Protocol
@@ -57,7 +57,7 @@ class BlobBytes(Protocol):
         """Forget the bytes under ``keys`` (missing ones are ignored)."""
         ...
 
-    def read(self, key: str, offset: int, chunk_size: int) -> AsyncIterator[bytes]:
+    def read(self, key: str, offset: int, chunk_size: int) -> AsyncGenerator[bytes, None]:
         """Yield the bytes under ``key`` from ``offset`` in chunks of at most ``chunk_size``."""
         ...
 
@@ -167,7 +167,7 @@ class DatabaseBytes:
             data = (await conn.execute(query)).scalar()
         return None if data is None else bytes(data)
 
-    async def read(self, key: str, offset: int, chunk_size: int) -> AsyncIterator[bytes]:
+    async def read(self, key: str, offset: int, chunk_size: int) -> AsyncGenerator[bytes, None]:
         """Fetch one stored chunk per query, so memory stays at one chunk."""
         layout_query = (
             sa.select(blob_chunks.c.offset, blob_chunks.c.size)
@@ -379,7 +379,7 @@ class DirectoryBytes:
         f.seek(offset)
         return f
 
-    async def read(self, key: str, offset: int, chunk_size: int) -> AsyncIterator[bytes]:
+    async def read(self, key: str, offset: int, chunk_size: int) -> AsyncGenerator[bytes, None]:
         """A small blob from its row; otherwise the file, a few MiB of chunks per worker-thread hop.
 
         The file stays open for the whole read: a blob deleted meanwhile is still read to its end.
@@ -390,7 +390,13 @@ class DirectoryBytes:
                 for at in range(offset, len(whole), chunk_size):
                     yield whole[at : at + chunk_size]
                 return
-        f = await asyncio.to_thread(self._open_sync, key, offset)
+        opening = asyncio.ensure_future(asyncio.to_thread(self._open_sync, key, offset))
+        try:
+            f = await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            # The worker thread opens the file all the same: close it then, not at garbage collection.
+            opening.add_done_callback(_close_opened)
+            raise
         try:
             per_hop = max(1, _READ_AHEAD_BYTES // chunk_size)
             while chunks := await asyncio.to_thread(_read_chunks, f, chunk_size, per_hop):
@@ -400,6 +406,12 @@ class DirectoryBytes:
                     return
         finally:
             f.close()
+
+
+def _close_opened(opening: asyncio.Future[BinaryIO]) -> None:
+    """Closes the file a read that was cancelled while opening it got after all."""
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().close()
 
 
 def _private(path: str, flags: int) -> int:

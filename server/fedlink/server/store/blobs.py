@@ -17,7 +17,8 @@ import asyncio
 import functools
 import hashlib
 import re
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Sequence
+from contextlib import aclosing
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -477,7 +478,7 @@ class SqlBlobStore:
 
     async def iter_chunks(
         self, sha256: str, offset: int = 0, chunk_size: int = CHUNK_SIZE
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """Yield the blob's bytes from ``offset`` in chunks of at most ``chunk_size`` bytes.
 
         The blob is checked against its sha256 before the first chunk (see :mod:`integrity`).
@@ -490,8 +491,9 @@ class SqlBlobStore:
         await self._check(sha256, blob.size_bytes)
         if offset == blob.size_bytes:
             return
-        async for chunk in self._bytes.read(sha256, offset, chunk_size):
-            yield chunk
+        async with aclosing(self._bytes.read(sha256, offset, chunk_size)) as chunks:  # its file, at once
+            async for chunk in chunks:
+                yield chunk
 
     async def read(self, sha256: str, offset: int = 0, size: int | None = None) -> bytes:
         """Return ``size`` bytes from ``offset`` (to the end if None): for small blobs and ranges.
@@ -513,20 +515,22 @@ class SqlBlobStore:
                 return b""
             self.integrity.raise_if_known_bad(sha256)
             try:
-                data = b"".join([chunk async for chunk in self._bytes.read(sha256, 0, CHUNK_SIZE)])
+                async with aclosing(self._bytes.read(sha256, 0, CHUNK_SIZE)) as chunks:
+                    data = b"".join([chunk async for chunk in chunks])
             except FileNotFoundError:
                 self.integrity.corrupted(sha256, "its bytes are missing")
             await self._check_data(sha256, blob.size_bytes, data)  # hashed unless known good
             return data
         parts: list[bytes] = []
         remaining = size
-        async for chunk in self.iter_chunks(sha256, offset):
-            if remaining is not None:
-                chunk = chunk[:remaining]
-                remaining -= len(chunk)
-            parts.append(chunk)
-            if remaining == 0:
-                break
+        async with aclosing(self.iter_chunks(sha256, offset)) as chunks:  # closed at the break too
+            async for chunk in chunks:
+                if remaining is not None:
+                    chunk = chunk[:remaining]
+                    remaining -= len(chunk)
+                parts.append(chunk)
+                if remaining == 0:
+                    break
         return b"".join(parts)
 
     async def read_each(

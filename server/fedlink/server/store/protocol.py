@@ -8,7 +8,7 @@ others stamp times with the store's injected clock.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Generic, Protocol, TypeVar
@@ -276,7 +276,9 @@ class BlobStore(Protocol):
         """Return ``size`` bytes from ``offset`` (to the end if None): for small blobs and ranges."""
         ...
 
-    def iter_chunks(self, sha256: str, offset: int = 0, chunk_size: int = CHUNK_SIZE) -> AsyncIterator[bytes]:
+    def iter_chunks(
+        self, sha256: str, offset: int = 0, chunk_size: int = CHUNK_SIZE
+    ) -> AsyncGenerator[bytes, None]:
         """Yield the blob's bytes from ``offset`` in chunks of at most ``chunk_size`` bytes."""
         ...
 
