@@ -103,6 +103,17 @@ def fail(message: str) -> NoReturn:
     raise CommandError(message)
 
 
+def output_file(given: Path | None, default: Path, suffix: str, what: str) -> Path:
+    """The file a command writes (``given``, else ``default``): its name ends in ``suffix`` and its
+    directory exists, or the command stops (exit 2) saying so; ``what`` says what the file holds."""
+    target = given or default
+    if target.suffix.lower() != suffix:
+        fail(f"{target}: {what} is written as {suffix.lstrip('.').upper()}; name the file *{suffix}")
+    if not target.parent.is_dir():
+        fail(f"{target}: the directory {target.parent} does not exist")
+    return target
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ConnectionOptions:
     """Where the coordinator is and how to authenticate to it, as given on the command line."""
@@ -647,5 +658,6 @@ __all__ = [
     "echo_table",
     "fail",
     "format_option",
+    "output_file",
     "rpc_failed",
 ]

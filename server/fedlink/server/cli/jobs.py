@@ -29,6 +29,7 @@ from fedlink.server.cli.client import (
     echo_table,
     fail,
     format_option,
+    output_file,
 )
 from fedlink.server.cli.jobfile import load_job_file
 from fedlink.server.cli.plot import job_plot_command
@@ -483,11 +484,7 @@ def download_command(job_id: str, round_no: int, output: Path | None, connection
 
     from fedlink.common.dxo import DXO, DataKind
 
-    target = output or Path(f"{job_id}.npz")
-    if target.suffix.lower() != ".npz":
-        fail(f"{target}: the model is written as .npz; name the file *.npz")
-    if not target.parent.is_dir():
-        fail(f"{target}: the directory {target.parent} does not exist")
+    target = output_file(output, Path(f"{job_id}.npz"), ".npz", "the model")
     with control_client(connection) as client:
         job = client.stub.DescribeJob(
             cpb.DescribeJobRequest(job_id=job_id), metadata=client.metadata, timeout=CALL_TIMEOUT_S

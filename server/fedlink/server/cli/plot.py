@@ -24,6 +24,7 @@ from fedlink.server.cli.client import (
     connection_options,
     control_client,
     fail,
+    output_file,
 )
 from fedlink.v1 import control_service_pb2 as cpb
 from fedlink.v1 import states_pb2
@@ -205,11 +206,7 @@ def job_plot_command(job_id: str, output: Path | None, connection: ConnectionOpt
     rounds closed so far.
     """
     check_plotting("fedlink job plot")
-    target = output or Path(f"{job_id}.png")
-    if target.suffix.lower() != ".png":
-        fail(f"{target}: the plot is written as PNG; name the file *.png")
-    if not target.parent.is_dir():
-        fail(f"{target}: the directory {target.parent} does not exist")
+    target = output_file(output, Path(f"{job_id}.png"), ".png", "the plot")
     with control_client(connection) as client:
         job = client.stub.DescribeJob(
             cpb.DescribeJobRequest(job_id=job_id), metadata=client.metadata, timeout=CALL_TIMEOUT_S
