@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.orphans import tied
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_MARKER = "FEDLINK_SCALE_RESULT "
 SAMPLE_INTERVAL_S = 0.1
@@ -132,7 +134,6 @@ def measure(tree: Path, child_args: Sequence[str], timeout_s: float) -> dict[str
         The child's record with ``peak_rss_mb``; a timeout or crash has ``ok`` false and ``error``.
     """
     from bench.flower_baseline import TAG_VARIABLE, ProcessTree, TreeMemory, sample_tree
-    from bench.orphans import tied
 
     tag = uuid.uuid4().hex
     env = _environment(tree) | {TAG_VARIABLE: tag}
@@ -255,7 +256,7 @@ def _worktree(commit: str) -> Path:
     folder = Path(tempfile.mkdtemp(prefix="fedlink-scale-base-"))
     folder.rmdir()
     subprocess.run(
-        ["git", "worktree", "add", "--detach", str(folder), commit],
+        tied(["git", "worktree", "add", "--detach", str(folder), commit]),
         cwd=ROOT,
         check=True,
         capture_output=True,
@@ -264,7 +265,7 @@ def _worktree(commit: str) -> Path:
 
 
 def _remove_worktree(folder: Path) -> None:
-    subprocess.run(["git", "worktree", "remove", "--force", str(folder)], cwd=ROOT, check=False)
+    subprocess.run(tied(["git", "worktree", "remove", "--force", str(folder)]), cwd=ROOT, check=False)
 
 
 def _sizes(text: str) -> list[int]:

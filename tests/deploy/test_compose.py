@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from bench.orphans import tied
 from deploy.make_secrets import make_secrets
 from fedlink.runner.settings import load_runner_settings
 from fedlink.server.cli.jobfile import load_job_file
@@ -28,7 +29,7 @@ RUNNERS = ("runner-0", "runner-1", "runner-2")
 def _validate(venv_bin: Path, path: Path) -> subprocess.CompletedProcess[str]:
     # check-jsonschema's vendored copy of the Compose Specification's schema: no network needed.
     command = [str(venv_bin / "check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(path)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(tied(command), capture_output=True, text=True, timeout=60, check=False)
 
 
 def test_compose_file_matches_the_compose_specification(venv_bin: Path, deploy_dir: Path) -> None:

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.orphans import tied
+
 
 def _hadolint(venv_bin: Path, path: Path) -> subprocess.CompletedProcess[str]:
     command = [str(venv_bin / "hadolint"), "--no-color", str(path)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(tied(command), capture_output=True, text=True, timeout=60, check=False)
 
 
 def stages(dockerfile: Path) -> dict[str, str]:
@@ -80,7 +82,7 @@ def test_coordinator_health_check_asks_grpc_health(dockerfile: Path) -> None:
 def test_constraints_file_is_current(repo_root: Path) -> None:
     # Every package the extras need is pinned, at the version this venv has (.ci/test installs from it).
     result = subprocess.run(
-        [sys.executable, str(repo_root / "deploy" / "constraints.py"), "--check"],
+        tied([sys.executable, str(repo_root / "deploy" / "constraints.py"), "--check"]),
         capture_output=True,
         text=True,
         timeout=120,

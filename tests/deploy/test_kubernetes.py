@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
+from bench.orphans import tied
 from fedlink.server.settings import load_settings
 
 KUBERNETES_VERSION = "1.37.0"
@@ -30,7 +31,7 @@ def _documents(deploy_dir: Path) -> dict[tuple[str, str], dict[str, Any]]:
 
 def _validate(venv_bin: Path, *paths: Path) -> subprocess.CompletedProcess[str]:
     command = [str(venv_bin / "kubernetes-validate"), "--strict", "-k", KUBERNETES_VERSION, *map(str, paths)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(tied(command), capture_output=True, text=True, timeout=120, check=False)
 
 
 def test_every_manifest_matches_the_kubernetes_schemas(venv_bin: Path, deploy_dir: Path) -> None:

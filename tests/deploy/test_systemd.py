@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.orphans import tied
+
 UNITS = ("fedlink-runner.service", "fedlink-coordinator.service")
 #: What systemd older than 254 says about the runner's RestartSteps= / RestartMaxDelaySec= (ignored there).
 _KNOWN_OLD_SYSTEMD = re.compile(r"Unknown key '(RestartSteps|RestartMaxDelaySec)' in section \[Service\]")
@@ -36,7 +38,7 @@ def _verify(root: Path, unit: Path) -> tuple[int, list[str]]:
     installed = root / "etc/systemd/system" / unit.name
     shutil.copyfile(unit, installed)
     result = subprocess.run(
-        ["systemd-analyze", "verify", f"--root={root}", "--man=no", str(installed)],
+        tied(["systemd-analyze", "verify", f"--root={root}", "--man=no", str(installed)]),
         capture_output=True,
         text=True,
         timeout=60,

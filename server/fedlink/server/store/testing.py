@@ -126,6 +126,8 @@ class PgFaults:
         self._commits: list[tuple[re.Pattern[str], bool]] = []
         #: The pooled connections whose open transaction ran a statement a commit fault waits for.
         self._marked: dict[int, list[tuple[re.Pattern[str], bool]]] = {}
+        #: The driver connection under each marked pooled one (what the pool's invalidate event names).
+        self._drivers: dict[int, int] = {}
         #: How many faults fired, by kind ("terminated", "killed", "commit lost", "commit cut").
         self.fired: Counter[str] = Counter()
         self._refused = False
@@ -142,6 +144,7 @@ class PgFaults:
         sync_engine = self._database.engine.sync_engine
         event.listen(sync_engine, "before_cursor_execute", self._before_statement)
         event.listen(sync_engine, "rollback", self._after_rollback)
+        event.listen(sync_engine, "invalidate", self._after_invalidate)
         setattr(self._dialect, "do_commit", self._commit)  # noqa: B010 - this engine's dialect only
         return self
 
@@ -149,6 +152,7 @@ class PgFaults:
         sync_engine = self._database.engine.sync_engine
         event.remove(sync_engine, "before_cursor_execute", self._before_statement)
         event.remove(sync_engine, "rollback", self._after_rollback)
+        event.remove(sync_engine, "invalidate", self._after_invalidate)
         setattr(self._dialect, "do_commit", self._do_commit)  # noqa: B010
         try:
             await self.allow()
@@ -212,6 +216,7 @@ class PgFaults:
             if pattern.search(statement):
                 del self._commits[index]
                 self._marked.setdefault(id(pooled), []).append((pattern, committed))
+                self._drivers[id(pooled.dbapi_connection)] = id(pooled)
                 break
         for index, (pattern, times) in enumerate(self._kills):
             if pattern.search(statement):
@@ -226,14 +231,27 @@ class PgFaults:
         # A transaction that rolled back never commits: its marks wait for the next one.
         try:
             pooled = conn.connection
-        except Exception:  # an invalidated connection: its marks died with its transaction
+        except Exception:  # an invalidated connection: _after_invalidate gave its marks back
             return
-        marks = self._marked.pop(id(pooled), None)
+        marks = self._unmark(id(pooled))
+        if marks:
+            self._commits[:0] = marks
+
+    def _unmark(self, key: int) -> list[tuple[re.Pattern[str], bool]] | None:
+        """The marks of pooled connection ``key``, taken off it (ids are reused: nothing stays behind)."""
+        self._drivers = {driver: pooled for driver, pooled in self._drivers.items() if pooled != key}
+        return self._marked.pop(key, None)
+
+    def _after_invalidate(self, dbapi_connection: Any, record: Any, exception: Any) -> None:
+        # A connection that broke (another fault terminated it mid-transaction) never commits that
+        # transaction: its marks wait for the next one, as after a rollback.
+        key = self._drivers.get(id(dbapi_connection))
+        marks = self._unmark(key) if key is not None else None
         if marks:
             self._commits[:0] = marks
 
     def _commit(self, dbapi_connection: Any) -> None:
-        marks = self._marked.pop(id(dbapi_connection), None)
+        marks = self._unmark(id(dbapi_connection))
         if not marks:
             self._do_commit(dbapi_connection)
             return
