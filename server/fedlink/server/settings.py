@@ -189,6 +189,11 @@ class CoordinatorSettings:
     reaper_interval: timedelta = timedelta(seconds=1)
     """How often expired leases, closed deadlines and offline devices are swept."""
 
+    run_lease: timedelta = timedelta(seconds=30)
+    """How long the lease that lets this coordinator drive a run holds without a renewal (renewed every
+    third of it). Among replicas on one database, a driver silent for this long loses its runs to
+    another replica; its writes from then on are refused (they are fenced by the lease)."""
+
     loop_failure_timeout: timedelta = timedelta(minutes=2)
     """How long a background loop (job supervisor, maintenance, collection, metrics) may keep failing,
     retried with backoff, before the coordinator gives up: health turns NOT_SERVING and ``fedlink serve``
@@ -337,6 +342,8 @@ def _validate_limits(s: CoordinatorSettings) -> None:
     _validate_devices(s)
     if s.reaper_interval <= timedelta(0):
         raise InvalidArgument("reaper_interval must be positive")
+    if s.run_lease <= timedelta(0):
+        raise InvalidArgument("run_lease must be positive")
     if s.loop_failure_timeout <= timedelta(0):
         raise InvalidArgument("loop_failure_timeout must be positive")
     if s.store_retry_budget < timedelta(0):

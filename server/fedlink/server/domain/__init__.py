@@ -2,7 +2,7 @@
 like. Imports nothing of ours but :mod:`fedlink.common`."""
 
 from fedlink.server.domain.clock import Clock, ManualClock, SystemClock
-from fedlink.server.domain.errors import LeaseLost, RunLeaseHeld
+from fedlink.server.domain.errors import LeaseLost, RunLeaseHeld, RunLeaseLost
 from fedlink.server.domain.ids import new_id
 from fedlink.server.domain.models import (
     EVALUATE_TASK,
@@ -17,6 +17,7 @@ from fedlink.server.domain.models import (
     ReportOutcome,
     Result,
     Run,
+    RunFence,
     Task,
     WorkflowSpec,
     failure_reason,
@@ -60,7 +61,9 @@ __all__ = [
     "Result",
     "ResultStatus",
     "Run",
+    "RunFence",
     "RunLeaseHeld",
+    "RunLeaseLost",
     "RunState",
     "SystemClock",
     "Task",

@@ -21,3 +21,17 @@ class RunLeaseHeld(FailedPrecondition):
         super().__init__(f"run {run_id} is driven by coordinator {owner!r}; its lease has not expired")
         self.run_id = run_id
         self.owner = owner
+
+
+class RunLeaseLost(FailedPrecondition):
+    """A write fenced by a run's lease came from an owner that no longer holds it: another coordinator
+    took the run over (or it ended) while this one was paused. The write changed nothing."""
+
+    def __init__(self, run_id: str, owner: str, epoch: int, reason: str) -> None:
+        super().__init__(
+            f"run {run_id} is no longer driven by coordinator {owner!r} (lease epoch {epoch}): {reason}"
+        )
+        self.run_id = run_id
+        self.owner = owner
+        self.epoch = epoch
+        self.reason = reason

@@ -127,6 +127,24 @@ class Run:
     workflow_state_json: str = "{}"
     #: The blob of the workflow state's arrays (a WEIGHTS-like DXO, e.g. optimizer moments), if any.
     workflow_state_sha256: str | None = None
+    #: The fencing counter: one more each time a different owner takes the lease (1 for the first).
+    lease_epoch: int = 0
+
+    @property
+    def fence(self) -> RunFence:
+        """The token this snapshot's owner fences its writes with (see :class:`RunFence`)."""
+        return RunFence(run_id=self.run_id, owner=self.owner or "", epoch=self.lease_epoch)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunFence:
+    """Who drives a run, as of the lease they took: a write made with it is refused (RunLeaseLost)
+    once another owner has taken the lease since, even if this one never noticed it lost it."""
+
+    run_id: str
+    owner: str
+    #: The run's ``lease_epoch`` when ``owner`` took the lease.
+    epoch: int
 
 
 #: The task name of training: a device answers with a WEIGHTS or WEIGHT_DIFF update of the task's model.

@@ -1,8 +1,15 @@
 """Starts, resumes and stops the workflow driver of every live job.
 
 Which coordinator drives a run is a lease recorded in the store, renewed while the driver runs; a
-restarted coordinator (or, later, another replica) takes over a run whose lease ran out and resumes it
-from its last checkpoint.
+restarted coordinator (or another replica on the same database) takes over a run whose lease ran out
+and resumes it from its last checkpoint.
+
+Every run-state write a driver makes (tasks, round closes, checkpoints, the run's end) is fenced by the
+lease it took (:class:`~fedlink.server.domain.RunFence`, checked in the write's own transaction). A
+driver paused past its lease (SIGSTOP, a long GC pause, a partition) that wakes up after another
+replica took the run over has its next write, or its next renewal, refused with RunLeaseLost: it stops
+driving without touching the job, and this coordinator goes on as a plain replica for that job (its
+scans try the lease again, and get it only once the other owner's lease runs out).
 """
 
 from __future__ import annotations
@@ -15,7 +22,17 @@ from fedlink.common.errors import FedlinkError, IllegalTransition, InvalidArgume
 from fedlink.server.coordination.known_tasks import KnownTasks
 from fedlink.server.coordination.notify import TaskNotifier
 from fedlink.server.coordination.progress import Progress, UpdateSink
-from fedlink.server.domain import Clock, Job, JobState, Run, RunLeaseHeld, RunState, is_final
+from fedlink.server.domain import (
+    Clock,
+    Job,
+    JobState,
+    Run,
+    RunFence,
+    RunLeaseHeld,
+    RunLeaseLost,
+    RunState,
+    is_final,
+)
 from fedlink.server.protocol.events import JobEvents
 from fedlink.server.services.loops import Loop
 from fedlink.server.store import StateStore, all_items, is_store_outage
@@ -161,10 +178,13 @@ class JobSupervisor:
                 raise
             log.warning("cannot take up job %s now: %s", job.job_id, exc, extra={"job_id": job.job_id})
             return
-        renewer = asyncio.create_task(self._renew(run))
+        fence = run.fence
+        driver = asyncio.current_task()
+        assert driver is not None
+        renewer = asyncio.create_task(self._renew(fence, driver), name=f"run-lease-{run.run_id}")
         try:
             if job.state is JobState.PENDING:
-                job = await self._store.set_job_state(job.job_id, JobState.RUNNING)
+                job = await self._store.set_job_state(job.job_id, JobState.RUNNING, fence=fence)
                 await self._events.state_changed(job, JobState.RUNNING)
             try:
                 workflow = self._workflows.build(job.workflow)
@@ -181,10 +201,20 @@ class JobSupervisor:
                 known_tasks=self._known_tasks,
             )
             await workflow.run(ctx)
-            await self._finish(job, run, JobState.FINISHED, RunState.FINISHED, "")
+            await self._finish(job, run, JobState.FINISHED, RunState.FINISHED, "", fence=fence)
             log.info("job finished", extra={"job_id": job.job_id})
         except asyncio.CancelledError:
             raise
+        except RunLeaseLost as lost:
+            # Not the job's failure: another coordinator drives the run now (or it ended); what this
+            # driver had not written yet is the new driver's to redo from the last checkpoint.
+            log.warning(
+                "stopped driving job %s: %s",
+                job.job_id,
+                lost,
+                extra={"job_id": job.job_id, "run_id": run.run_id},
+            )
+            return
         except Exception as exc:
             if is_store_outage(exc):
                 # The database failed the driver, not the job: the next scan starts a driver again, which
@@ -199,22 +229,40 @@ class JobSupervisor:
             message = exc.message if isinstance(exc, FedlinkError) else f"{type(exc).__name__}: {exc}"
             if not isinstance(exc, FedlinkError):
                 log.exception("workflow of job %s failed", job.job_id)
-            await self._finish(job, run, JobState.FAILED, RunState.FAILED, message)
+            try:
+                await self._finish(job, run, JobState.FAILED, RunState.FAILED, message, fence=fence)
+            except RunLeaseLost as lost:
+                log.warning(
+                    "job %s not failed (%s): %s",
+                    job.job_id,
+                    message,
+                    lost,
+                    extra={"job_id": job.job_id, "run_id": run.run_id},
+                )
         finally:
             renewer.cancel()
             self._notifier.notify(job.job_id)  # long polls of this job answer DONE now
 
     async def _finish(
-        self, job: Job, run: Run | None, state: JobState, run_state: RunState, message: str
+        self,
+        job: Job,
+        run: Run | None,
+        state: JobState,
+        run_state: RunState,
+        message: str,
+        *,
+        fence: RunFence | None = None,
     ) -> None:
+        """Ends the job and its run; a driver passes its ``fence`` (RunLeaseLost if it lost the run)."""
         current = await self._store.get_job(job.job_id)
         if is_final(current.state):
             return
         try:
-            await self._store.cancel_job_tasks(job.job_id)
+            await self._store.cancel_job_tasks(job.job_id, fence=fence)
+            # The job before the run: a final job is not scanned, so no replica takes up its ended run.
+            job = await self._store.set_job_state(job.job_id, state, message, fence=fence)
             if run is not None:
-                await self._store.finish_run(run.run_id, run_state, message)
-            job = await self._store.set_job_state(job.job_id, state, message)
+                await self._store.finish_run(run.run_id, run_state, message, fence=fence)
         except IllegalTransition:
             return  # ended meanwhile by someone else (an operator, a corrupted blob's discovery)
         await self._events.state_changed(job, state, message)
@@ -229,14 +277,21 @@ class JobSupervisor:
             run.run_id, owner=self._owner, now=now, lease=self._run_lease
         )
 
-    async def _renew(self, run: Run) -> None:
+    async def _renew(self, fence: RunFence, driver: asyncio.Task[None]) -> None:
+        """Renews the driver's lease every third of it; stops the driver once it is lost."""
         while True:
             await asyncio.sleep(self._run_lease.total_seconds() / 3)
             try:
-                await self._store.acquire_run_lease(
-                    run.run_id, owner=self._owner, now=self._clock.now(), lease=self._run_lease
-                )
+                await self._store.renew_run_lease(fence, now=self._clock.now(), lease=self._run_lease)
+            except RunLeaseLost as lost:
+                # The driver's own next write would be refused anyway: stop it before it does more work.
+                log.warning("%s; stopping its driver", lost, extra={"run_id": fence.run_id})
+                driver.cancel()
+                return
             except Exception as exc:  # tried again in a third of the lease; two misses are still in time
                 log.warning(
-                    "renewing the lease of run %s failed: %s", run.run_id, exc, extra={"run_id": run.run_id}
+                    "renewing the lease of run %s failed: %s",
+                    fence.run_id,
+                    exc,
+                    extra={"run_id": fence.run_id},
                 )

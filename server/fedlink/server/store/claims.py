@@ -22,6 +22,7 @@ from fedlink.server.domain import (
     Assignment,
     AssignmentState,
     LeaseLost,
+    RunFence,
     Task,
     TaskState,
     new_id,
@@ -31,6 +32,7 @@ from fedlink.server.store import rows
 from fedlink.server.store.bulk import insert_rows
 from fedlink.server.store.claiming import ClaimStatements, claim_batch
 from fedlink.server.store.core import StoreCore
+from fedlink.server.store.fencing import check_fence, check_fence_async
 from fedlink.server.store.protocol import ClaimRequest, NewTask
 from fedlink.server.store.schema import among, assignments, state_is, task_offers, task_targets, tasks
 
@@ -70,8 +72,11 @@ _UNTARGETED_JOBS = (
 class ClaimQueries(StoreCore):
     """The tasks, claims and leases part of the SQL store."""
 
-    async def create_tasks(self, new_tasks: Sequence[NewTask]) -> Sequence[Task]:
-        """Create OPEN tasks (and their target lists) in one transaction."""
+    async def create_tasks(
+        self, new_tasks: Sequence[NewTask], *, fence: RunFence | None = None
+    ) -> Sequence[Task]:
+        """Create OPEN tasks (and their target lists) in one transaction; with a ``fence``, only while it
+        holds its run (else RunLeaseLost, and none is created)."""
         now = self._clock.now()
         task_rows: list[dict[str, object]] = []
         target_rows: list[dict[str, str]] = []
@@ -128,6 +133,7 @@ class ClaimQueries(StoreCore):
         # wait, and each statement's hops had cost the round boundary ~0.1-0.3 s at 1,000 devices.
         # The tasks are what was inserted: not read back (a round's 1,000 rows cost ~30 ms to read).
         def work(conn: sa.Connection) -> None:
+            check_fence(conn, fence)
             insert_rows(conn, tasks, task_rows)
             insert_rows(conn, task_targets, target_rows)
             insert_rows(conn, task_offers, offer_rows)
@@ -151,16 +157,18 @@ class ClaimQueries(StoreCore):
         async with self._db.read() as conn:
             return [rows.task(r) for r in await conn.execute(query)]
 
-    async def close_task(self, task_id: str) -> Task:
-        """Close an OPEN task: nobody may claim it any more, and later reports for it are stale."""
-        return await self._end_task(task_id, TaskState.CLOSED)
+    async def close_task(self, task_id: str, *, fence: RunFence | None = None) -> Task:
+        """Close an OPEN task: nobody may claim it any more, and later reports for it are stale. With a
+        ``fence``, only while it holds the run (else RunLeaseLost)."""
+        return await self._end_task(task_id, TaskState.CLOSED, fence)
 
-    async def cancel_task(self, task_id: str) -> Task:
-        """Cancel an OPEN task."""
-        return await self._end_task(task_id, TaskState.CANCELLED)
+    async def cancel_task(self, task_id: str, *, fence: RunFence | None = None) -> Task:
+        """Cancel an OPEN task (with a ``fence``, only while it holds the run)."""
+        return await self._end_task(task_id, TaskState.CANCELLED, fence)
 
-    async def _end_task(self, task_id: str, target: TaskState) -> Task:
+    async def _end_task(self, task_id: str, target: TaskState, fence: RunFence | None) -> Task:
         async def work(conn: AsyncConnection) -> Task:
+            await check_fence_async(conn, fence)
             where = tasks.c.task_id == task_id
             row = await self._fetch_one(conn, sa.select(tasks).where(where), f"task {task_id}")
             transition_task(TaskState(row.state), target)
@@ -172,10 +180,12 @@ class ClaimQueries(StoreCore):
 
         return await self._db.write(work)
 
-    async def cancel_job_tasks(self, job_id: str) -> int:
-        """Cancel every OPEN task of a job; return how many."""
+    async def cancel_job_tasks(self, job_id: str, *, fence: RunFence | None = None) -> int:
+        """Cancel every OPEN task of a job; return how many. With a ``fence``, only while it holds its
+        run (else RunLeaseLost)."""
 
         async def work(conn: AsyncConnection) -> int:
+            await check_fence_async(conn, fence)
             statement = (
                 sa.update(tasks)
                 .where(tasks.c.job_id == job_id, _OPEN_SQL)

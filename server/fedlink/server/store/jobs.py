@@ -15,6 +15,7 @@ from fedlink.server.domain import (
     JobEvent,
     JobState,
     Run,
+    RunFence,
     RunLeaseHeld,
     RunState,
     is_final,
@@ -26,6 +27,7 @@ from fedlink.server.store import rows
 from fedlink.server.store.blobs import SqlBlobStore
 from fedlink.server.store.core import StoreCore
 from fedlink.server.store.event_log import append_job_events
+from fedlink.server.store.fencing import check_fence, check_fence_async
 from fedlink.server.store.protocol import NewJob, Page
 from fedlink.server.store.schema import blobs, checkpoints, job_events, jobs, results, runs, tasks
 
@@ -92,10 +94,16 @@ class JobQueries(StoreCore):
         token = rows.encode_page_token(items[-1].created_at, items[-1].job_id) if len(found) > size else ""
         return Page(items=items, next_page_token=token)
 
-    async def set_job_state(self, job_id: str, target: JobState, message: str = "") -> Job:
-        """Move a job to ``target``; IllegalTransition if its state machine has no such edge."""
+    async def set_job_state(
+        self, job_id: str, target: JobState, message: str = "", *, fence: RunFence | None = None
+    ) -> Job:
+        """Move a job to ``target``; IllegalTransition if its state machine has no such edge.
+
+        With a ``fence``, only while it holds its run (else RunLeaseLost), checked in the same transaction.
+        """
 
         async def work(conn: AsyncConnection) -> Job:
+            await check_fence_async(conn, fence)
             where = jobs.c.job_id == job_id
             row = await self._fetch_one(conn, sa.select(jobs).where(where), f"job {job_id}")
             transition_job(JobState(row.state), target)
@@ -146,6 +154,7 @@ class JobQueries(StoreCore):
             "message": "",
             "created_at": now,
             "updated_at": now,
+            "lease_epoch": 1,
         }
 
         async def work(conn: AsyncConnection) -> Run:
@@ -175,7 +184,11 @@ class JobQueries(StoreCore):
         return rows.run(row)
 
     async def acquire_run_lease(self, run_id: str, *, owner: str, now: datetime, lease: timedelta) -> Run:
-        """Take or renew the lease to drive a run; RunLeaseHeld if another owner's lease holds."""
+        """Take or renew the lease to drive a run; RunLeaseHeld if another owner's lease holds.
+
+        Taken from another owner (or from nobody), the run's ``lease_epoch`` goes up by one: the writes
+        fenced with the previous owner's :attr:`Run.fence` are refused from then on.
+        """
 
         async def work(conn: AsyncConnection) -> Run:
             free = sa.or_(
@@ -183,11 +196,14 @@ class JobQueries(StoreCore):
                 runs.c.owner == owner,
                 runs.c.owner_lease_expires_at <= now,
             )
+            epoch = sa.case((runs.c.owner == owner, runs.c.lease_epoch), else_=runs.c.lease_epoch + 1)
             updated = (
                 await conn.execute(
                     sa.update(runs)
                     .where(runs.c.run_id == run_id, free)
-                    .values(owner=owner, owner_lease_expires_at=now + lease, updated_at=now)
+                    .values(
+                        owner=owner, owner_lease_expires_at=now + lease, updated_at=now, lease_epoch=epoch
+                    )
                     .returning(runs)
                 )
             ).first()
@@ -198,10 +214,30 @@ class JobQueries(StoreCore):
 
         return await self._db.write(work)
 
-    async def finish_run(self, run_id: str, target: RunState, message: str = "") -> Run:
-        """Move a run to a final state; IllegalTransition if it has ended already."""
+    async def renew_run_lease(self, fence: RunFence, *, now: datetime, lease: timedelta) -> Run:
+        """Extend the lease ``fence`` took to ``now + lease``; RunLeaseLost if another owner took the run
+        since (even after it lapsed), or it ended. A paused driver's renewer cannot take it back."""
 
         async def work(conn: AsyncConnection) -> Run:
+            await check_fence_async(conn, fence)
+            updated = await conn.execute(
+                sa.update(runs)
+                .where(runs.c.run_id == fence.run_id)
+                .values(owner_lease_expires_at=now + lease, updated_at=now)
+                .returning(runs)
+            )
+            return rows.run(updated.one())
+
+        return await self._db.write(work)
+
+    async def finish_run(
+        self, run_id: str, target: RunState, message: str = "", *, fence: RunFence | None = None
+    ) -> Run:
+        """Move a run to a final state; IllegalTransition if it has ended already (with a ``fence``:
+        RunLeaseLost if it ended, or another owner took it, since the fence's lease was taken)."""
+
+        async def work(conn: AsyncConnection) -> Run:
+            await check_fence_async(conn, fence)
             row = await self._fetch_one(conn, sa.select(runs).where(runs.c.run_id == run_id), f"run {run_id}")
             transition_run(RunState(row.state), target)
             updated = await conn.execute(
@@ -224,9 +260,11 @@ class JobQueries(StoreCore):
         keep_last: int,
         state_json: str = "{}",
         state_sha256: str | None = None,
+        fence: RunFence | None = None,
     ) -> Checkpoint:
         """Record a round's model, metrics and workflow state on the run, in one transaction; keep only
-        the last ``keep_last`` checkpoints.
+        the last ``keep_last`` checkpoints. With a ``fence``, only while it holds the run (else
+        RunLeaseLost, and nothing is recorded).
 
         The run itself points at the newest model and state, so the final model outlives the pruning.
         The blobs of pruned checkpoints and of the run's previous state are freed unless something
@@ -237,7 +275,11 @@ class JobQueries(StoreCore):
         now = self._clock.now()
         state = {"workflow_state_json": state_json, "workflow_state_sha256": state_sha256}
 
+        if fence is not None and fence.run_id != run_id:
+            raise InvalidArgument(f"a checkpoint of run {run_id} fenced by run {fence.run_id}'s lease")
+
         def work(conn: sa.Connection) -> tuple[Checkpoint, set[str]]:
+            check_fence(conn, fence)
             where = runs.c.run_id == run_id
             previous = conn.execute(sa.select(runs.c.workflow_state_sha256).where(where)).first()
             if previous is None:
@@ -300,11 +342,15 @@ class JobQueries(StoreCore):
             return [rows.checkpoint(r) for r in (await conn.execute(query)).all()]
 
     # ---- events ----
-    async def append_job_event(self, job_id: str, kind: str, payload_json: str) -> JobEvent:
-        """Append a progress event to a job (numbered as :mod:`~fedlink.server.store.event_log` says)."""
+    async def append_job_event(
+        self, job_id: str, kind: str, payload_json: str, *, fence: RunFence | None = None
+    ) -> JobEvent:
+        """Append a progress event to a job (numbered as :mod:`~fedlink.server.store.event_log` says);
+        with a ``fence``, only while it holds its run (else RunLeaseLost)."""
         now = self._clock.now()
 
         def work(conn: sa.Connection) -> JobEvent:
+            check_fence(conn, fence)
             if conn.execute(sa.select(jobs.c.job_id).where(jobs.c.job_id == job_id)).first() is None:
                 raise NotFound(f"job {job_id} does not exist")
             (sequence,) = append_job_events(conn, [(job_id, kind, payload_json)], now)

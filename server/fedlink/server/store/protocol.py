@@ -3,7 +3,9 @@
 There is one implementation (:class:`fedlink.server.store.sql.SqlStateStore`, SQLAlchemy on SQLite or
 PostgreSQL); the Protocol is what the coordinator, the workflows and the services depend on.
 Mutating methods take ``now`` explicitly where time decides the outcome (leases, deadlines); the
-others stamp times with the store's injected clock.
+others stamp times with the store's injected clock. The run-state writes a workflow driver makes take a
+``fence`` (its :class:`~fedlink.server.domain.RunFence`): checked in the write's own transaction, it
+refuses the write with RunLeaseLost once another coordinator took the run over (``store/fencing.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from fedlink.server.domain import (
     Result,
     ResultStatus,
     Run,
+    RunFence,
     RunState,
     Task,
 )
@@ -412,8 +415,11 @@ class StateStore(Protocol):
         """List jobs, newest first, with a stable keyset page token."""
         ...
 
-    async def set_job_state(self, job_id: str, target: JobState, message: str = "") -> Job:
-        """Move a job to ``target``; IllegalTransition if its state machine has no such edge."""
+    async def set_job_state(
+        self, job_id: str, target: JobState, message: str = "", *, fence: RunFence | None = None
+    ) -> Job:
+        """Move a job to ``target``; IllegalTransition if its state machine has no such edge (with a
+        ``fence``: RunLeaseLost unless it still holds the job's run)."""
         ...
 
     async def delete_job(self, job_id: str) -> int:
@@ -433,11 +439,19 @@ class StateStore(Protocol):
         ...
 
     async def acquire_run_lease(self, run_id: str, *, owner: str, now: datetime, lease: timedelta) -> Run:
-        """Take or renew the lease to drive a run; RunLeaseHeld if another owner's lease holds."""
+        """Take or renew the lease to drive a run; RunLeaseHeld if another owner's lease holds. Taken
+        from another owner, the run's ``lease_epoch`` goes up: the old owner's fenced writes fail."""
         ...
 
-    async def finish_run(self, run_id: str, target: RunState, message: str = "") -> Run:
-        """Move a run to a final state."""
+    async def renew_run_lease(self, fence: RunFence, *, now: datetime, lease: timedelta) -> Run:
+        """Extend the lease ``fence`` took to ``now + lease``; RunLeaseLost if another owner took the
+        run since, or it ended."""
+        ...
+
+    async def finish_run(
+        self, run_id: str, target: RunState, message: str = "", *, fence: RunFence | None = None
+    ) -> Run:
+        """Move a run to a final state (with a ``fence``: RunLeaseLost unless it still holds the run)."""
         ...
 
     async def save_checkpoint(
@@ -450,17 +464,21 @@ class StateStore(Protocol):
         keep_last: int,
         state_json: str = "{}",
         state_sha256: str | None = None,
+        fence: RunFence | None = None,
     ) -> Checkpoint:
         """Record a round's model, metrics and workflow state on the run, in one transaction; keep only
-        the last ``keep_last`` checkpoints (the blobs of the others are freed unless still used)."""
+        the last ``keep_last`` checkpoints (the blobs of the others are freed unless still used).
+        With a ``fence``: RunLeaseLost, and nothing recorded, unless it still holds the run."""
         ...
 
     async def list_checkpoints(self, run_id: str) -> Sequence[Checkpoint]:
         """Return a run's kept checkpoints, oldest round first."""
         ...
 
-    async def append_job_event(self, job_id: str, kind: str, payload_json: str) -> JobEvent:
-        """Append a progress event to a job."""
+    async def append_job_event(
+        self, job_id: str, kind: str, payload_json: str, *, fence: RunFence | None = None
+    ) -> JobEvent:
+        """Append a progress event to a job (with a ``fence``: only while it holds the job's run)."""
         ...
 
     async def list_job_events(
@@ -479,8 +497,10 @@ class StateStore(Protocol):
         ...
 
     # ---- tasks ----
-    async def create_tasks(self, new_tasks: Sequence[NewTask]) -> Sequence[Task]:
-        """Create OPEN tasks in one transaction."""
+    async def create_tasks(
+        self, new_tasks: Sequence[NewTask], *, fence: RunFence | None = None
+    ) -> Sequence[Task]:
+        """Create OPEN tasks in one transaction (with a ``fence``: only while it holds their run)."""
         ...
 
     async def get_task(self, task_id: str) -> Task:
@@ -491,16 +511,18 @@ class StateStore(Protocol):
         """Return a run's tasks (of one round if given), oldest first."""
         ...
 
-    async def close_task(self, task_id: str) -> Task:
-        """Close an OPEN task: later reports for it are stale."""
+    async def close_task(self, task_id: str, *, fence: RunFence | None = None) -> Task:
+        """Close an OPEN task: later reports for it are stale (with a ``fence``: only while it holds the
+        run)."""
         ...
 
-    async def cancel_task(self, task_id: str) -> Task:
-        """Cancel an OPEN task."""
+    async def cancel_task(self, task_id: str, *, fence: RunFence | None = None) -> Task:
+        """Cancel an OPEN task (with a ``fence``: only while it holds the run)."""
         ...
 
-    async def cancel_job_tasks(self, job_id: str) -> int:
-        """Cancel every OPEN task of a job; return how many."""
+    async def cancel_job_tasks(self, job_id: str, *, fence: RunFence | None = None) -> int:
+        """Cancel every OPEN task of a job; return how many (with a ``fence``: only while it holds the
+        job's run)."""
         ...
 
     # ---- claims and leases ----
@@ -576,20 +598,27 @@ class StateStore(Protocol):
         """Every result recorded in the run (stale ones too), outlined, in no particular order."""
         ...
 
-    async def close_round_tasks(self, *, run_id: str, round: int, name: str) -> int:
-        """Close every OPEN task of a round of one name; return how many closed."""
+    async def close_round_tasks(
+        self, *, run_id: str, round: int, name: str, fence: RunFence | None = None
+    ) -> int:
+        """Close every OPEN task of a round of one name; return how many closed (with a ``fence``: only
+        while it holds the run)."""
         ...
 
-    async def close_tasks(self, task_ids: Sequence[str]) -> int:
-        """Close those of these tasks that are OPEN, in one transaction; return how many closed."""
+    async def close_tasks(self, task_ids: Sequence[str], *, fence: RunFence | None = None) -> int:
+        """Close those of these tasks that are OPEN, in one transaction; return how many closed (with a
+        ``fence``: only while it holds their run)."""
         ...
 
     async def round_retries(self, *, run_id: str, round: int, name: str) -> int:
         """How many retries of a round of one name :meth:`count_round_retry` counted."""
         ...
 
-    async def count_round_retry(self, *, run_id: str, round: int, name: str) -> int:
-        """Count one more retry of a round of one name; return the retries counted, this one included."""
+    async def count_round_retry(
+        self, *, run_id: str, round: int, name: str, fence: RunFence | None = None
+    ) -> int:
+        """Count one more retry of a round of one name; return the retries counted, this one included
+        (with a ``fence``: only while it holds the run)."""
         ...
 
     async def count_devices_by_state(self) -> dict[DeviceState, int]:

@@ -9,9 +9,10 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
 from fedlink.common.errors import NotFound
-from fedlink.server.domain import Assignment, AssignmentState, ResultStatus, TaskState
+from fedlink.server.domain import Assignment, AssignmentState, ResultStatus, RunFence, TaskState
 from fedlink.server.store import rows
 from fedlink.server.store.core import StoreCore
+from fedlink.server.store.fencing import check_fence
 from fedlink.server.store.protocol import ResultOutline, RoundSummary
 from fedlink.server.store.schema import (
     assignments,
@@ -149,23 +150,29 @@ class RoundQueries(StoreCore):
             found: int | None = (await conn.execute(query)).scalar()
         return found or 0
 
-    async def count_round_retry(self, *, run_id: str, round: int, name: str) -> int:
+    async def count_round_retry(
+        self, *, run_id: str, round: int, name: str, fence: RunFence | None = None
+    ) -> int:
         """Count one more retry of a round of one name; return the retries counted, this one included.
 
-        NotFound if the run does not exist.
+        NotFound if the run does not exist; with a ``fence``, RunLeaseLost unless it holds the run.
         """
 
         def work(conn: sa.Connection) -> int:
+            check_fence(conn, fence)
             if conn.execute(sa.select(runs.c.run_id).where(runs.c.run_id == run_id)).first() is None:
                 raise NotFound(f"run {run_id} does not exist")
             return add_to_round_counts(conn, run_id, round, name, retries=1)[1]
 
         return await self._db.write_sync(work)
 
-    async def close_round_tasks(self, *, run_id: str, round: int, name: str) -> int:
+    async def close_round_tasks(
+        self, *, run_id: str, round: int, name: str, fence: RunFence | None = None
+    ) -> int:
         """Close every OPEN task of a round of one name (and withdraw their offers); return how many closed.
 
-        Later reports for them are recorded as stale: the round has moved on.
+        Later reports for them are recorded as stale: the round has moved on. With a ``fence``, only
+        while it holds the run (else RunLeaseLost, and nothing closes).
         """
         open_tasks = (
             tasks.c.run_id == run_id,
@@ -181,14 +188,16 @@ class RoundQueries(StoreCore):
         close = sa.update(tasks).where(*open_tasks).values(state=TaskState.CLOSED.value)
 
         def work(conn: sa.Connection) -> int:
+            check_fence(conn, fence)
             conn.execute(withdraw)
             return int(conn.execute(close).rowcount)
 
         return await self._db.write_sync(work)
 
-    async def close_tasks(self, task_ids: Sequence[str]) -> int:
+    async def close_tasks(self, task_ids: Sequence[str], *, fence: RunFence | None = None) -> int:
         """Close those of these tasks that are OPEN (and withdraw their offers), in one transaction;
-        return how many closed. Later reports for them are recorded as stale."""
+        return how many closed. Later reports for them are recorded as stale. With a ``fence``, only
+        while it holds the run (else RunLeaseLost, and nothing closes)."""
         if not task_ids:
             return 0
         ids = sa.bindparam("task_ids", expanding=True, type_=tasks.c.task_id.type)
@@ -200,6 +209,7 @@ class RoundQueries(StoreCore):
         )
 
         def work(conn: sa.Connection) -> int:
+            check_fence(conn, fence)
             closed = 0
             for start in range(0, len(task_ids), _IN_BATCH):
                 chunk = {"task_ids": list(task_ids[start : start + _IN_BATCH])}

@@ -124,6 +124,7 @@ def run(row: Row) -> Run:
         updated_at=row.updated_at,
         workflow_state_json=row.workflow_state_json,
         workflow_state_sha256=row.workflow_state_sha256,
+        lease_epoch=row.lease_epoch,
     )
 
 

@@ -199,6 +199,9 @@ runs = sa.Table(
     #: The workflow's own state at the last checkpoint (JSON), and the blob of its arrays.
     sa.Column("workflow_state_json", sa.Text(), nullable=False, server_default="{}"),
     _sha("workflow_state_sha256"),
+    #: The fencing counter: bumped whenever a different owner takes the lease; a driver's writes carry
+    #: the value it took the lease at and are refused once it moved on (see store/fencing.py).
+    sa.Column("lease_epoch", sa.BigInteger(), nullable=False, server_default="0"),
     sa.Index(None, "job_id", "created_at"),
 )
 

@@ -6,6 +6,11 @@ workflow owns the run's logic and its checkpoints. The context's methods are the
 of one's own uses (``docs/workflows.md``): hand out tasks, wait for progress, read results, checkpoint,
 emit events. The built-in workflows also use its ``store`` directly, whose API is the coordinator's own
 and may change between releases.
+
+Every run-state write the context makes (tasks, closes, checkpoints) is fenced by the run's lease
+(:attr:`WorkflowContext.fence`): once another coordinator took the run over, it raises RunLeaseLost and
+changes nothing, and the coordinator stops driving the run without failing its job. A workflow lets
+that error through; one writing through ``store`` itself passes ``fence=ctx.fence``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from fedlink.common.errors import FailedPrecondition, InvalidArgument
 from fedlink.server.coordination.known_tasks import KnownTasks
 from fedlink.server.coordination.notify import TaskNotifier
 from fedlink.server.coordination.progress import Progress
-from fedlink.server.domain import Clock, Job, Result, Run, Task, selector_matches
+from fedlink.server.domain import Clock, Job, Result, Run, RunFence, Task, selector_matches
 from fedlink.server.store import NewTask, StateStore
 
 
@@ -56,6 +61,12 @@ class WorkflowContext:
     known_tasks: KnownTasks = field(default_factory=KnownTasks)
 
     # ---- the run as it was checkpointed ----
+    @property
+    def fence(self) -> RunFence:
+        """The run's lease as this driver took it: the token every run-state write of this context
+        carries (refused with RunLeaseLost once another coordinator took the run over)."""
+        return self.run.fence
+
     @property
     def completed(self) -> int:
         """The rounds (or steps) checkpointed so far: where a resumed run goes on from."""
@@ -118,7 +129,8 @@ class WorkflowContext:
                     model_version=model_version,
                 )
                 for device in devices
-            ]
+            ],
+            fence=self.fence,
         )
         self.known_tasks.add(created)
         self.notifier.notify(self.job.job_id, devices)
@@ -153,7 +165,7 @@ class WorkflowContext:
     async def close_tasks(self, tasks: Sequence[Task]) -> None:
         """Closes tasks: reports for them from now on are STALE (recorded, not used)."""
         for task in tasks:
-            await self.store.close_task(task.task_id)
+            await self.store.close_task(task.task_id, fence=self.fence)
 
     # ---- checkpoints and events ----
     async def checkpoint(
@@ -177,6 +189,7 @@ class WorkflowContext:
             json.dumps(dict(metrics or {}), sort_keys=True),
             keep_last=max(1, keep_last),
             state_json=json.dumps(dict(state or {}), sort_keys=True),
+            fence=self.fence,
         )
         return ref.sha256
 

@@ -354,6 +354,7 @@ class FedAvg:
             keep_last=max(1, self.params.keep_checkpoints),
             state_json=state_json,
             state_sha256=state_sha,
+            fence=ctx.fence,
         )
         await ctx.events.emit(ctx.job, "round_closed", round_no, {"num_results": count, "metrics": metrics})
         log.info("round closed", extra={"job_id": ctx.job.job_id, "round": round_no, **metrics})
@@ -452,7 +453,9 @@ class FedAvg:
                     ):
                         continue
                 if now >= deadline or summary.owing == 0:
-                    await ctx.store.close_round_tasks(run_id=run_id, round=round_no, name=name)
+                    await ctx.store.close_round_tasks(
+                        run_id=run_id, round=round_no, name=name, fence=ctx.fence
+                    )
                     if summary.succeeded >= needed:  # results only add up: no need to count again
                         return
                     continue
@@ -465,7 +468,9 @@ class FedAvg:
             if self.params.round_failure_policy == "fail":
                 raise RoundFailed(shortfall)
             # Counted before its wave is handed out: a crash in between spends a retry, never adds one.
-            retries = await ctx.store.count_round_retry(run_id=run_id, round=round_no, name=name)
+            retries = await ctx.store.count_round_retry(
+                run_id=run_id, round=round_no, name=name, fence=ctx.fence
+            )
             if retries > self.params.max_round_retries:
                 raise RoundFailed(shortfall)
             log.warning(
@@ -574,7 +579,8 @@ class FedAvg:
                     model_version=round_no - 1 if name == TRAIN_TASK else round_no,
                 )
                 for device in devices
-            ]
+            ],
+            fence=ctx.fence,
         )
         if name == TRAIN_TASK and self._open is not None:
             self._open.expect(created, devices)
@@ -621,7 +627,7 @@ class FedAvg:
             wave=len(view.tasks),
         )
         for task in closing:
-            await ctx.store.close_task(task.task_id)
+            await ctx.store.close_task(task.task_id, fence=ctx.fence)
         await self._hand_out(ctx, round_no, name, payload_sha, chosen, deadline)
         return True
 

@@ -556,7 +556,7 @@ class FedBuff:
         for slot in slots:
             self._free(slot)
         ids = [s.task.task_id for s in slots]
-        await ctx.store.close_tasks(ids)
+        await ctx.store.close_tasks(ids, fence=ctx.fence)
         latest = {a.task_id: a for a in await ctx.store.list_assignments(task_ids=ids)}
         accepted: list[_Slot] = []
         for slot in slots:
@@ -689,7 +689,7 @@ class FedBuff:
         ref = await ctx.store.blobs.put_bytes(model.to_bytes())
         # Tasks done with are closed (their offers withdrawn), so that open tasks stay the selection's.
         done, self._done = self._done, []
-        await ctx.store.close_tasks(done)
+        await ctx.store.close_tasks(done, fence=ctx.fence)
         state = {"pending": list(self._slots), "counters": self._counters.as_dict()}
         await ctx.store.save_checkpoint(
             ctx.run.run_id,
@@ -698,6 +698,7 @@ class FedBuff:
             json.dumps(metrics, sort_keys=True),
             keep_last=max(1, self.params.keep_checkpoints),
             state_json=json.dumps(state, sort_keys=True),
+            fence=ctx.fence,
         )
         self._version, self._model, self._model_sha, self._on_version = version, arrays, ref.sha256, 0
         live = {s.version for s in self._slots.values()}
