@@ -21,7 +21,8 @@ from types import TracebackType
 
 from fedlink.common.dxo import DXO
 from fedlink.server.coordination.known_tasks import KnownTasks
-from fedlink.server.coordination.notify import LocalTaskNotifier
+from fedlink.server.coordination.notify import LocalTaskNotifier, TaskNotifier
+from fedlink.server.coordination.pg_notify import PgTaskNotifier
 from fedlink.server.data_dir import DataDirLock
 from fedlink.server.domain import Clock, SystemClock, Task
 from fedlink.server.protocol.control import ControlProtocol
@@ -144,6 +145,7 @@ class CoordinatorCore:
         self._failed = asyncio.Event()
         self._telemetry = telemetry
         self._lock: DataDirLock | None = None
+        self._pg_notifier: PgTaskNotifier | None = None
 
     @property
     def store(self) -> SqlStateStore:
@@ -192,9 +194,9 @@ class CoordinatorCore:
         )
         self._store = store
         key = await store.get_or_create_signing_key()
-        notifier = LocalTaskNotifier()
-        events = JobEvents(store)
         owner = coordinator_id(s.data_dir)
+        notifier = await self._start_notifier(store, owner)
+        events = JobEvents(store)
         workflows = Workflows(
             WorkflowLimits(
                 allow_workflows=s.allow_workflows,
@@ -210,6 +212,7 @@ class CoordinatorCore:
             events=events,
             owner=owner,
             workflows=workflows,
+            run_lease=s.run_lease,
             known_tasks=self.known_tasks,
         )
         self.supervisor = supervisor
@@ -283,6 +286,15 @@ class CoordinatorCore:
         self.loops = loops
         self._tasks = [asyncio.create_task(self._run_loops(loops), name="background-loops")]
 
+    async def _start_notifier(self, store: SqlStateStore, owner: str) -> TaskNotifier:
+        """The long polls' wake-ups: in-process on SQLite; on PostgreSQL also across the replicas
+        sharing the database (LISTEN/NOTIFY)."""
+        if store.database.is_sqlite:
+            return LocalTaskNotifier()
+        self._pg_notifier = PgTaskNotifier(store.database.url, replica=owner)
+        await self._pg_notifier.start()
+        return self._pg_notifier
+
     async def _run_loops(self, loops: BackgroundLoops) -> None:
         """Runs the loops; if one gives up, records why and tells :attr:`on_failure`'s callbacks."""
         try:
@@ -319,6 +331,9 @@ class CoordinatorCore:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._device is not None:
             self._device.close()
+        pg_notifier, self._pg_notifier = self._pg_notifier, None
+        if pg_notifier is not None:
+            await pg_notifier.close()
         store, self._store = self._store, None
         if store is not None:
             await store.close()

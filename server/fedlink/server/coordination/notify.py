@@ -2,8 +2,9 @@
 
 A GetTask long poll waits until its job may have a task for it. Workflows call :meth:`notify` when they
 create tasks (or a slot frees up); waiters re-check the store. A waiter is taken *before* the store is
-checked, so a notification that lands between the check and the wait is not lost. The interface is
-small so that a PostgreSQL LISTEN/NOTIFY implementation can wake waiters on other replicas later.
+checked, so a notification that lands between the check and the wait is not lost. On PostgreSQL,
+:class:`~fedlink.server.coordination.pg_notify.PgTaskNotifier` (LISTEN/NOTIFY) also wakes the waiters of
+the other replicas sharing the database.
 """
 
 from __future__ import annotations
