@@ -66,6 +66,7 @@ from bench.hostile_inputs import (
 )
 from bench.protocol_bench import Config as ProtocolConfig
 from bench.protocol_bench import coordinator_settings, echo_baseline
+from bench.report import targets_line
 from fedlink.server.settings import CoordinatorSettings
 from fedlink.v1 import control_service_pb2_grpc as cgrpc
 from fedlink.v1 import runner_service_pb2 as rpb
@@ -417,12 +418,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"({e['echo_calls_per_s']:,.0f} calls/s); "
             f"p50 {e['latency']['p50_ms']} ms, p99 {e['latency']['p99_ms']} ms"
         )
-    lines.append(
-        "targets: "
-        + ", ".join(
-            f"{k}={'-' if v is None else ('met' if v else 'MISSED')}" for k, v in report["targets"].items()
-        )
-    )
+    lines.append(targets_line(report["targets"]))
     failed = [name for name, passed in report["checks"].items() if not passed]
     lines.append("checks: all passed" if not failed else f"checks FAILED: {', '.join(failed)}")
     return "\n".join(lines)

@@ -41,6 +41,7 @@ from bench.coordinator_admin import (
     write_model_file,
 )
 from bench.device_load import Device
+from bench.report import targets_line
 from fedlink.v1 import control_service_pb2_grpc as cgrpc
 from fedlink.v1 import runner_service_pb2 as rpb
 
@@ -548,12 +549,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"{i['without_pollers']['rss_mib']:,.0f} MiB); "
             f"polls answered in the window: {i['completed_polls']}"
         )
-    lines.append(
-        "targets: "
-        + ", ".join(
-            f"{k}={'-' if v is None else ('met' if v else 'MISSED')}" for k, v in report["targets"].items()
-        )
-    )
+    lines.append(targets_line(report["targets"]))
     failed = [name for name, passed in report["checks"].items() if not passed]
     lines.append("checks: all passed" if not failed else f"checks FAILED: {', '.join(failed)}")
     return "\n".join(lines)

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from bench.orphans import tied
+from bench.report import num, targets_line
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_MARKER = "FEDLINK_SCALE_RESULT "
@@ -220,10 +221,6 @@ def targets(
     }
 
 
-def _num(value: object, fmt: str) -> str:
-    return format(value, fmt) if isinstance(value, int | float) else "-"
-
-
 def format_table(current: Sequence[dict[str, Any]], baseline: Sequence[dict[str, Any]]) -> str:
     """FedAvg, both trees, one line per size."""
     header = (
@@ -235,7 +232,7 @@ def format_table(current: Sequence[dict[str, Any]], baseline: Sequence[dict[str,
     for mine in current:
         base = by_size.get(mine["devices"], {})
         base_ms = base.get("ms_per_device_round")
-        base_text = _num(base_ms, "10.3f")
+        base_text = num(base_ms, "10.3f")
         if base.get("timed_out"):
             base_text = f">{base['ms_per_device_round_at_least']:.3f}".rjust(10)
         ratio = base_ms if isinstance(base_ms, float) else base.get("ms_per_device_round_at_least")
@@ -243,10 +240,10 @@ def format_table(current: Sequence[dict[str, Any]], baseline: Sequence[dict[str,
         speedup = ratio / ours if isinstance(ratio, float) and isinstance(ours, float) else None
         rounds_ms = mine.get("round_ms_per_device_round")
         lines.append(
-            f"{mine['devices']:>8} | {_num(ours, '9.3f')} {_num(rounds_ms, '9.3f')} "
-            f"{_num(mine.get('wall_s'), '7.1f')} {_num(mine.get('peak_rss_mb'), '7.0f')} | "
-            f"{base_text} {_num(base.get('wall_s'), '7.1f')} {_num(base.get('peak_rss_mb'), '7.0f')} | "
-            f"{(_num(speedup, '.2f') + 'x') if speedup else '-':>8}"
+            f"{mine['devices']:>8} | {num(ours, '9.3f')} {num(rounds_ms, '9.3f')} "
+            f"{num(mine.get('wall_s'), '7.1f')} {num(mine.get('peak_rss_mb'), '7.0f')} | "
+            f"{base_text} {num(base.get('wall_s'), '7.1f')} {num(base.get('peak_rss_mb'), '7.0f')} | "
+            f"{(num(speedup, '.2f') + 'x') if speedup else '-':>8}"
             + ("" if mine.get("ok") else f"  FAILED: {mine.get('error', '')[:100]}")
         )
     return "\n".join(lines)
@@ -359,19 +356,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"\nFedBuff {args.fedbuff_devices} devices, selection {args.fedbuff_selection}, "
             f"{args.fedbuff_versions} versions x {args.fedbuff_updates} updates: wall "
-            f"{_num(fedbuff.get('wall_s'), '.1f')} s, peak RSS {_num(fedbuff.get('peak_rss_mb'), '.0f')} MB, "
-            f"s per version first {_num(steps[0] if steps else None, '.2f')}, "
-            f"second {_num(steps[1] if len(steps) > 1 else None, '.2f')}, "
-            f"median {_num(statistics.median(steps) if steps else None, '.2f')}, "
-            f"last {_num(steps[-1] if steps else None, '.2f')}"
+            f"{num(fedbuff.get('wall_s'), '.1f')} s, peak RSS {num(fedbuff.get('peak_rss_mb'), '.0f')} MB, "
+            f"s per version first {num(steps[0] if steps else None, '.2f')}, "
+            f"second {num(steps[1] if len(steps) > 1 else None, '.2f')}, "
+            f"median {num(statistics.median(steps) if steps else None, '.2f')}, "
+            f"last {num(steps[-1] if steps else None, '.2f')}"
             + ("" if fedbuff.get("ok") else f"; FAILED: {fedbuff.get('error')}")
         )
-    print(
-        "targets:",
-        ", ".join(
-            f"{k}={'-' if v is None else ('met' if v else 'MISSED')}" for k, v in report["targets"].items()
-        ),
-    )
+    print(targets_line(report["targets"]))
     print("runs:", "all passed" if report["ok"] else "FAILED")
     return 0 if report["ok"] else 1
 

@@ -48,6 +48,7 @@ from bench.flower_baseline import (
     sample_tree,
 )
 from bench.orphans import tied
+from bench.report import num, targets_line
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_MARKER = "FEDLINK_SIM_RESULT "
@@ -178,12 +179,8 @@ def pair(fedlink: dict[str, Any], flower: dict[str, Any] | None) -> dict[str, An
     }
 
 
-def _num(value: object, fmt: str) -> str:
-    return format(value, fmt) if isinstance(value, int | float) else "-"
-
-
 def _ratio_text(value: object) -> str:
-    return _num(value, ".1f") + "x" if isinstance(value, int | float) else "-"
+    return num(value, ".1f") + "x" if isinstance(value, int | float) else "-"
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -199,10 +196,10 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
             f"{side}: {r['error'][:80]}" for side, r in (("fedlink", fl), ("Flower", fw)) if r.get("error")
         ]
         lines.append(
-            f"{row['devices']:>7} {row['floats']:>9} | {_num(fl.get('wall_s'), '9.2f')} "
-            f"{_num(fw.get('wall_s'), '9.2f')} {_ratio_text(row['wall_ratio']):>9} | "
-            f"{_num(fl.get('peak_rss_mb'), '10.0f')} {_num(fw.get('peak_rss_mb'), '10.0f')} "
-            f"{_num(row['memory_ratio'], '9.3f')} | {'; '.join(problems) or 'yes'}"
+            f"{row['devices']:>7} {row['floats']:>9} | {num(fl.get('wall_s'), '9.2f')} "
+            f"{num(fw.get('wall_s'), '9.2f')} {_ratio_text(row['wall_ratio']):>9} | "
+            f"{num(fl.get('peak_rss_mb'), '10.0f')} {num(fw.get('peak_rss_mb'), '10.0f')} "
+            f"{num(row['memory_ratio'], '9.3f')} | {'; '.join(problems) or 'yes'}"
         )
     return "\n".join(lines)
 
@@ -287,18 +284,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if target_run is not None:
         print(
             f"\nfedlink {target_devices} devices x {TARGET_FLOATS} floats x {args.rounds} rounds: "
-            f"median {_num(target_run.get('wall_s'), '.1f')} s of "
-            f"{', '.join(_num(w, '.1f') for w in target_run['wall_s_runs'])} "
+            f"median {num(target_run.get('wall_s'), '.1f')} s of "
+            f"{', '.join(num(w, '.1f') for w in target_run['wall_s_runs'])} "
             f"(target < {TARGET_WALL_S:.0f} s), "
-            f"peak RSS {_num(target_run.get('peak_rss_mb'), '.0f')} MB"
+            f"peak RSS {num(target_run.get('peak_rss_mb'), '.0f')} MB"
             + ("" if target_run["ok"] else f", FAILED: {target_run.get('error')}")
         )
-    print(
-        "targets:",
-        ", ".join(
-            f"{k}={'-' if v is None else ('met' if v else 'MISSED')}" for k, v in report["targets"].items()
-        ),
-    )
+    print(targets_line(report["targets"]))
     print("model checks:", "all passed" if report["ok"] else "FAILED")
     return 0 if report["ok"] else 1
 

@@ -81,6 +81,7 @@ from numpy.typing import NDArray
 
 from bench.orphans import die_with_multiprocessing_parent
 from bench.proc_stats import memory_use
+from bench.report import targets_line
 from fedlink.common.dxo import DXO, DataKind, MetaKey
 from fedlink.server.domain import Task, TaskState
 from fedlink.server.workflows.fedavg import FedAvgParams, RoundUpdates
@@ -888,12 +889,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(format_robust(report["robust"], devices, floats, repeats))
     print()
-    print(
-        "targets:",
-        ", ".join(
-            f"{k}={'-' if v is None else ('met' if v else 'MISSED')}" for k, v in report["targets"].items()
-        ),
-    )
+    print(targets_line(report["targets"]))
     print("checks: all passed")
     return 0
 

@@ -87,6 +87,7 @@ from numpy.typing import NDArray
 
 from bench.orphans import die_with_multiprocessing_parent
 from bench.proc_stats import memory_use
+from bench.report import targets_line
 from fedlink.common.dxo import DXO, DataKind, MetaKey
 from fedlink.runner.config import JobConfig, ResolverRegistry, process_job_data
 from fedlink.runner.context import Context, Signal
@@ -711,12 +712,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
         print(format_size(size, row, repeats))
     print()
-    print(
-        "targets:",
-        ", ".join(
-            f"{k}={'-' if v is None else ('met' if v else 'MISSED')}" for k, v in report["targets"].items()
-        ),
-    )
+    print(targets_line(report["targets"]))
     print("checks: all passed")
     return 0
 
