@@ -3,10 +3,13 @@ the background load of ``FEDLINK_TEST_LOAD``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import hypothesis  # noqa: F401  (see below)
@@ -112,3 +115,21 @@ def pg_database() -> Iterator[str]:
         yield url
     finally:
         drop_pg_database(base, url)
+
+
+@contextlib.contextmanager
+def _closed_ports(count: int) -> Iterator[list[str]]:
+    with contextlib.ExitStack() as stack:
+        addresses = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket())
+            sock.bind(("127.0.0.1", 0))
+            addresses.append(f"127.0.0.1:{sock.getsockname()[1]}")
+        yield addresses
+
+
+@pytest.fixture
+def closed_ports() -> Callable[[int], AbstractContextManager[list[str]]]:
+    """``with closed_ports(n) as addresses``: n addresses on 127.0.0.1 that refuse connections (bound,
+    never listening) while held."""
+    return _closed_ports

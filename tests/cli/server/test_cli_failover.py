@@ -5,11 +5,10 @@ is final; when no address answers, the error names each one and why. Real coordi
 
 from __future__ import annotations
 
-import contextlib
-import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -18,19 +17,11 @@ from bench.orphans import tied
 
 from .conftest import Cli, CoordinatorThread, plaintext_settings
 
+#: The ``closed_ports`` fixture (tests/conftest.py): ``with closed_ports(n) as addresses``.
+ClosedPorts = Callable[[int], AbstractContextManager[list[str]]]
+
+
 FEDLINK = str(Path(sys.executable).parent / "fedlink")
-
-
-@contextlib.contextmanager
-def closed_ports(count: int) -> Iterator[list[str]]:
-    """Addresses on 127.0.0.1 that refuse connections (bound, never listening) while held."""
-    with contextlib.ExitStack() as stack:
-        addresses = []
-        for _ in range(count):
-            sock = stack.enter_context(socket.socket())
-            sock.bind(("127.0.0.1", 0))
-            addresses.append(f"127.0.0.1:{sock.getsockname()[1]}")
-        yield addresses
 
 
 def operator(coordinator: CoordinatorThread, server: str) -> Cli:
@@ -45,14 +36,16 @@ def operator(coordinator: CoordinatorThread, server: str) -> Cli:
     )
 
 
-def test_a_dead_address_in_fedlink_server_is_passed_over(coordinator: CoordinatorThread) -> None:
+def test_a_dead_address_in_fedlink_server_is_passed_over(
+    coordinator: CoordinatorThread, closed_ports: ClosedPorts
+) -> None:
     with closed_ports(1) as [dead]:
         result = operator(coordinator, f"{dead},{coordinator.address}")("device", "list", "--format", "json")
     assert result.exit_code == 0, result.output
     assert result.stdout.strip() == "[]"
 
 
-def test_when_no_address_answers_the_error_names_each(tmp_path: Path) -> None:
+def test_when_no_address_answers_the_error_names_each(tmp_path: Path, closed_ports: ClosedPorts) -> None:
     with closed_ports(2) as dead:
         result = Cli()(
             "job", "list", "--server", ",".join(dead), "--insecure", "--admin-token", "x",
@@ -83,7 +76,9 @@ def test_an_error_the_coordinator_answers_is_final(tmp_path: Path) -> None:
         assert accepted.exit_code == 0, accepted.output
 
 
-def test_health_reports_the_address_that_answered(coordinator: CoordinatorThread, tmp_path: Path) -> None:
+def test_health_reports_the_address_that_answered(
+    coordinator: CoordinatorThread, tmp_path: Path, closed_ports: ClosedPorts
+) -> None:
     with closed_ports(2) as dead:
         live = Cli()(
             "health",
@@ -119,7 +114,9 @@ def test_a_bad_list_is_a_usage_error(tmp_path: Path, server: str, complaint: str
 
 
 @pytest.mark.slow  # runner processes
-def test_the_runner_process_names_every_address_when_none_answers(tmp_path: Path) -> None:
+def test_the_runner_process_names_every_address_when_none_answers(
+    tmp_path: Path, closed_ports: ClosedPorts
+) -> None:
     with closed_ports(2) as dead:
         args = [
             FEDLINK, "runner", "--server", ",".join(dead), "--insecure",

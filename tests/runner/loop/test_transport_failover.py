@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -38,19 +38,10 @@ from .conftest import (
     zero_softmax_model,
 )
 
+#: The ``closed_ports`` fixture (tests/conftest.py): ``with closed_ports(n) as addresses``.
+ClosedPorts = Callable[[int], AbstractContextManager[list[str]]]
+
 TRANSPORT_LOGGER = "fedlink.runner.transport.grpc_transport"
-
-
-@contextlib.contextmanager
-def closed_ports(count: int) -> Iterator[list[str]]:
-    """Addresses on 127.0.0.1 that refuse connections (bound, never listening) while held."""
-    with contextlib.ExitStack() as stack:
-        addresses = []
-        for _ in range(count):
-            sock = stack.enter_context(socket.socket())
-            sock.bind(("127.0.0.1", 0))
-            addresses.append(f"127.0.0.1:{sock.getsockname()[1]}")
-        yield addresses
 
 
 async def device_ids(control: Control) -> list[str]:
@@ -59,7 +50,7 @@ async def device_ids(control: Control) -> list[str]:
 
 
 async def test_a_dead_first_address_is_passed_over_for_the_live_one(
-    control: Control, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    control: Control, tmp_path: Path, caplog: pytest.LogCaptureFixture, closed_ports: ClosedPorts
 ) -> None:
     [part] = digits_npz(tmp_path, 1)
     job_id = await control.submit(zero_softmax_model(), softmax_job(), rounds=2, devices=1)
@@ -104,7 +95,7 @@ async def test_an_error_the_coordinator_answers_is_not_a_reason_to_move(tmp_path
 
 
 async def test_when_every_address_is_down_the_error_names_each_one(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, closed_ports: ClosedPorts
 ) -> None:
     with closed_ports(2) as dead:
         link = transport(
