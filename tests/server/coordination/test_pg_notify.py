@@ -172,3 +172,24 @@ async def test_what_a_replica_publishes_while_its_connection_is_gone_is_sent_whe
     a.notify("job", ["d1"])  # while A reconnects (or on its new connection): kept until sent
     assert await waiting is True
     assert a.reconnects == 1
+
+
+async def test_an_application_name_in_the_url_names_the_store_and_listener_connections(
+    pg_database: str,
+) -> None:
+    """How an operator tells replicas apart in ``pg_stat_activity`` (and terminates one's connections):
+    ``?application_name=`` in the URL, which asyncpg.connect itself would refuse as an argument."""
+    from fedlink.server.store.dialect import create_engine
+
+    url = f"{pg_database}{'&' if '?' in pg_database else '?'}application_name=replica-7"
+    engine = create_engine(url)
+    try:
+        async with PgTaskNotifier(url, replica="r7") as notifier, engine.connect() as conn:
+            assert notifier.listening
+            names = await conn.exec_driver_sql(
+                "SELECT application_name FROM pg_stat_activity WHERE datname = current_database()"
+            )
+            seen = sorted(str(row[0]) for row in names)
+    finally:
+        await engine.dispose()
+    assert "replica-7" in seen and "replica-7-notify" in seen, seen

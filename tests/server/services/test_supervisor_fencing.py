@@ -22,8 +22,9 @@ import pytest
 
 from fedlink.common.dxo import DXO, DataKind
 from fedlink.server.coordination.notify import LocalTaskNotifier
-from fedlink.server.domain import JobState, ManualClock, RunState, WorkflowSpec
+from fedlink.server.domain import Clock, JobState, ManualClock, RunState, SystemClock, WorkflowSpec
 from fedlink.server.protocol.events import JobEvents
+from fedlink.server.services.loops import LoopPolicy
 from fedlink.server.services.supervisor import JobSupervisor
 from fedlink.server.store import NewJob, SqlStateStore, create_store
 from fedlink.server.workflows.base import WorkflowContext
@@ -94,7 +95,9 @@ class Replica:
 
 
 @asynccontextmanager
-async def replica(url: str, owner: str, clock: ManualClock, run_lease: timedelta) -> AsyncIterator[Replica]:
+async def replica(
+    url: str, owner: str, clock: Clock, run_lease: timedelta, scan_seconds: float = 2.0
+) -> AsyncIterator[Replica]:
     store = await create_store(url, clock=clock, blobs_in_database=True, auto_migrate=True, pool_size=2)
     gate = GATES[owner] = Gate(asyncio.Event(), asyncio.Event())
     supervisor = JobSupervisor(
@@ -105,6 +108,7 @@ async def replica(url: str, owner: str, clock: ManualClock, run_lease: timedelta
         owner=owner,
         workflows=Workflows(WorkflowLimits(allow_workflows=(MODULE,))),
         run_lease=run_lease,
+        scan_seconds=scan_seconds,
     )
     try:
         yield Replica(owner, store, supervisor, gate)
@@ -220,3 +224,24 @@ async def test_a_paused_drivers_renewer_finds_the_lease_lost_and_stops_its_drive
         assert (run.owner, run.round, run.lease_epoch) == ("coordinator-b", 1, 2)
         assert (await a.store.get_job(job_id)).state is JobState.RUNNING
         await finish_on_b(b, job_id)
+
+
+async def test_a_dead_drivers_run_is_taken_over_as_its_lease_lapses_not_a_scan_later(db_url: str) -> None:
+    """A replica whose scans are far apart (30 s here) still takes over a dead driver's run within the
+    lease: finding the lease held, it scans again the moment the lease would lapse."""
+    lease = timedelta(seconds=1)
+    clock = SystemClock()
+    async with replica(db_url, "coordinator-a", ManualClock(T0), LONG_LEASE) as a:
+        job_id = await submit(a.store)
+        # Coordinator A took the run a moment ago and died: its lease runs out in a second.
+        run = await a.store.create_run(job_id, owner="coordinator-a", now=clock.now(), lease=lease)
+    # B's scans are 30 s apart: no periodic scan could take the run over within the test's bound.
+    async with replica(db_url, "coordinator-b", clock, lease, scan_seconds=30.0) as b:
+        loop = asyncio.create_task(b.supervisor.loop().run(LoopPolicy()))
+        try:
+            await asyncio.wait_for(b.gate.reached.wait(), 10.0)  # its first scan found the lease held
+        finally:
+            loop.cancel()
+            await asyncio.gather(loop, return_exceptions=True)
+        taken = await b.store.get_current_run(job_id)
+    assert (taken.run_id, taken.owner, taken.lease_epoch) == (run.run_id, "coordinator-b", 2)

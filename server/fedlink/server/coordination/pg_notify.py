@@ -62,6 +62,11 @@ def asyncpg_connect_args(url: str) -> dict[str, Any]:
     params.update(parsed.query)
     for key in _SQLALCHEMY_ONLY:
         params.pop(key, None)
+    name = params.pop("application_name", None)
+    if name is not None:  # not an argument of asyncpg.connect: a server setting, as for the store
+        settings = dict(params.get("server_settings") or {})
+        settings["application_name"] = f"{name if isinstance(name, str) else name[-1]}-notify"
+        params["server_settings"] = settings
     return params
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from fedlink.common.errors import FailedPrecondition
 
 
@@ -17,10 +19,12 @@ class LeaseLost(FailedPrecondition):
 class RunLeaseHeld(FailedPrecondition):
     """Another coordinator holds the lease that lets it drive this run."""
 
-    def __init__(self, run_id: str, owner: str) -> None:
+    def __init__(self, run_id: str, owner: str, expires_at: datetime | None = None) -> None:
         super().__init__(f"run {run_id} is driven by coordinator {owner!r}; its lease has not expired")
         self.run_id = run_id
         self.owner = owner
+        #: When the lease runs out unless renewed: the earliest moment another coordinator may take it.
+        self.expires_at = expires_at
 
 
 class RunLeaseLost(FailedPrecondition):

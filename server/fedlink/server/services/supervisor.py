@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from fedlink.common.errors import FedlinkError, IllegalTransition, InvalidArgument, NotFound
 from fedlink.server.coordination.known_tasks import KnownTasks
@@ -40,6 +40,10 @@ from fedlink.server.workflows.base import WorkflowContext
 from fedlink.server.workflows.registry import Workflows
 
 log = logging.getLogger(__name__)
+
+#: How long after another replica's lease lapses this one tries to take its run: past the instant, so
+#: that the store's clock comparison sees the lease expired.
+_PAST_LEASE_S = 0.05
 
 
 class JobSupervisor:
@@ -143,10 +147,8 @@ class JobSupervisor:
 
     async def scan(self) -> None:
         """Starts a driver for every live job without one, and stops the drivers of final jobs."""
-        for state in (JobState.RUNNING, JobState.PENDING):
-            for job in await self._jobs_in(state):
-                if job.job_id not in self._drivers:
-                    self._start(job)
+        # Ended drivers first, so that their jobs get a new one in this very scan: a driver that found
+        # the run's lease held by another replica ends, and takes it over here once that lease lapsed.
         for job_id, task in list(self._drivers.items()):
             if task.done():
                 del self._drivers[job_id]
@@ -154,6 +156,12 @@ class JobSupervisor:
                 if not task.cancelled() and task.exception() is not None:
                     # Its job is still live (a final one would not be scanned): a new driver takes over.
                     log.error("driver of job %s ended with an error", job_id, exc_info=task.exception())
+        for state in (JobState.RUNNING, JobState.PENDING):
+            for job in await self._jobs_in(state):
+                if job.job_id not in self._drivers:
+                    self._start(job)
+        for job_id, task in list(self._drivers.items()):
+            if task.done():
                 continue
             job = await self._store.get_job(job_id)
             if is_final(job.state):  # aborted by an operator (possibly on another replica)
@@ -171,8 +179,11 @@ class JobSupervisor:
     async def _drive(self, job: Job) -> None:
         try:
             run = await self._acquire_run(job)
-        except RunLeaseHeld:
-            return  # another coordinator drives it
+        except RunLeaseHeld as held:
+            # Another coordinator drives it. Scan again the moment its lease would lapse, not up to a
+            # scan later: a replica that died has its runs taken over within the lease.
+            self._wake_at(held.expires_at)
+            return
         except Exception as exc:
             if not is_store_outage(exc):
                 raise
@@ -266,6 +277,14 @@ class JobSupervisor:
         except IllegalTransition:
             return  # ended meanwhile by someone else (an operator, a corrupted blob's discovery)
         await self._events.state_changed(job, state, message)
+
+    def _wake_at(self, moment: datetime | None) -> None:
+        """Has the jobs scanned at ``moment`` (soon after it, on this coordinator's clock)."""
+        if moment is None:
+            return
+        delay = (moment - self._clock.now()).total_seconds() + _PAST_LEASE_S
+        if delay < self._scan_seconds:  # a later lapse is the next scan's to notice
+            asyncio.get_running_loop().call_later(max(delay, 0.0), self._wake.set)
 
     async def _acquire_run(self, job: Job) -> Run:
         now = self._clock.now()

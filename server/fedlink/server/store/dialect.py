@@ -174,11 +174,15 @@ def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
         # (sequential scans, hash joins) and never replanned without ANALYZE, those plans made the
         # claim and report paths slow down as the tables grew. A custom plan per execution costs a
         # fraction of a millisecond and follows the tables' current size.
-        server_settings = {"plan_cache_mode": "force_custom_plan"}
-        if "application_name" not in parsed.query:
-            server_settings["application_name"] = APPLICATION_NAME
+        # asyncpg.connect takes no application_name argument: one in the URL (how an operator tells
+        # replicas apart in pg_stat_activity) is a server setting, as libpq makes it.
+        name = parsed.query.get("application_name", APPLICATION_NAME)
+        server_settings = {
+            "plan_cache_mode": "force_custom_plan",
+            "application_name": name if isinstance(name, str) else name[-1],
+        }
         engine = create_async_engine(
-            url,
+            parsed.difference_update_query(["application_name"]),
             pool_size=pool_size,
             max_overflow=pool_size,
             connect_args={"server_settings": server_settings, "timeout": _PG_CONNECT_TIMEOUT_S},

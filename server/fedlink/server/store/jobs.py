@@ -210,7 +210,8 @@ class JobQueries(StoreCore):
             if updated is not None:
                 return rows.run(updated)
             row = await self._fetch_one(conn, sa.select(runs).where(runs.c.run_id == run_id), f"run {run_id}")
-            raise RunLeaseHeld(run_id, row.owner)
+            held = rows.run(row)
+            raise RunLeaseHeld(run_id, held.owner or "", held.owner_lease_expires_at)
 
         return await self._db.write(work)
 
