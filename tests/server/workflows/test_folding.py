@@ -7,6 +7,7 @@ on); tasks and results are the domain values the store would list at the round's
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -21,7 +22,7 @@ from fedlink.server.domain import ManualClock, Result, ResultStatus, Task, TaskS
 from fedlink.server.domain.updates import model_spec
 from fedlink.server.store import SqlStateStore, create_store
 from fedlink.server.workflows.aggregation import apply_average
-from fedlink.server.workflows.folding import LazyModel, RoundFold, canonical_order
+from fedlink.server.workflows.folding import LazyModel, MetricAverage, RoundFold, canonical_order
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 MODEL = {"w": np.linspace(-1, 1, 1000, dtype=np.float32), "b": np.arange(3, dtype=np.float32)}
@@ -306,3 +307,36 @@ async def test_a_failed_model_load_is_tried_again() -> None:
     with pytest.raises(OSError, match="unavailable"):
         await model.arrays()
     assert await model.arrays() is MODEL and attempts == 2
+
+
+def test_metric_means_are_the_same_bits_in_any_order() -> None:
+    rng = np.random.default_rng(5)
+    # Decimals of very different sizes: a plain float sum of these depends on the order of its terms.
+    metas = [
+        {"loss": float(v), "acc": float(a)}
+        for v, a in zip(rng.lognormal(0, 6, 200), rng.random(200), strict=True)
+    ]
+    weights = [float(w) for w in rng.integers(1, 1000, 200)]
+
+    def means(order: list[int]) -> dict[str, float]:
+        average = MetricAverage()
+        for i in order:
+            average.add(metas[i], weights[i])
+        return average.result()
+
+    forward = means(list(range(200)))
+    exact = math.fsum(w * m["loss"] for w, m in zip(weights, metas, strict=True)) / math.fsum(weights)
+    assert forward["loss"] == exact  # correctly rounded, not merely close
+    naive: set[float] = set()
+    for seed in range(5):
+        order = [int(i) for i in np.random.default_rng(seed).permutation(200)]
+        assert means(order) == forward, seed
+        naive.add(sum(weights[i] * metas[i]["loss"] for i in order))
+    assert len(naive) > 1  # the terms are ones whose plain sum the order changes
+
+
+def test_metric_means_skip_what_is_not_a_finite_number() -> None:
+    average = MetricAverage()
+    average.add({"loss": 1.0, "flag": True, "name": "x", "num_examples": 5, "bad": math.nan}, 2.0)
+    average.add({"loss": 4.0, "bad": 1e308}, 10.0)  # 1e309 overflows: skipped, not an inf mean
+    assert average.result() == {"loss": 3.5}

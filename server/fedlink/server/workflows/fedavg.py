@@ -29,7 +29,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 from numpy.typing import NDArray
 
-from fedlink.common.dxo import DXO, DataKind, MetaKey, weight_of
+from fedlink.common.dxo import DXO, DataKind, MetaKey
 from fedlink.common.errors import FailedPrecondition, InvalidArgument
 from fedlink.server.coordination.model_outlines import read_blob_outline, spec_of
 from fedlink.server.coordination.progress import UpdateSink
@@ -49,7 +49,13 @@ from fedlink.server.domain import (
 from fedlink.server.store import NewTask
 from fedlink.server.workflows.aggregation import Aggregate
 from fedlink.server.workflows.base import WorkflowContext
-from fedlink.server.workflows.folding import LazyModel, MetricAverage, RoundFold, canonical_order
+from fedlink.server.workflows.folding import (
+    LazyModel,
+    MetricAverage,
+    RoundFold,
+    canonical_order,
+    evaluation_metrics,
+)
 from fedlink.server.workflows.optimizers import AddAggregate, OptimizerState, ServerStep
 from fedlink.server.workflows.params import WorkflowParams, seconds_field
 
@@ -342,7 +348,7 @@ class FedAvg:
         if self.params.evaluate:
             await self._collect(ctx, round_no, EVALUATE_TASK, new_ref.sha256, devices=devices)
             evaluation = await self._succeeded(ctx, round_no, EVALUATE_TASK)
-            metrics.update(await self._metrics(ctx, evaluation, prefix="eval_"))
+            metrics.update(await evaluation_metrics(evaluation, ctx.store.blobs.read_each))
         metrics_json = json.dumps(metrics, sort_keys=True)
         state_json, state_sha = await save_state(ctx, self._server.state())
         await ctx.store.save_checkpoint(
@@ -630,23 +636,6 @@ class FedAvg:
             await ctx.store.close_task(task.task_id, fence=ctx.fence)
         await self._hand_out(ctx, round_no, name, payload_sha, chosen, deadline)
         return True
-
-    # ---- evaluation ----
-    async def _metrics(
-        self, ctx: WorkflowContext, results: Sequence[Result], *, prefix: str
-    ) -> dict[str, float]:
-        metrics = MetricAverage()
-        payloads = [r.payload_sha256 for r in results if r.payload_sha256]
-        async for payload in ctx.store.blobs.read_each(payloads):
-            dxo = DXO.from_bytes(payload)
-            try:
-                weight = weight_of(dxo)
-            except InvalidArgument:
-                weight = 1.0
-            # Evaluators put scalar metrics in meta or, like the built-in trainers, as 0-d data.
-            scalars = {k: float(v) for k, v in dxo.data.items() if v.size == 1 and v.dtype.kind in "fiu"}
-            metrics.add({**scalars, **dxo.meta}, weight)
-        return {prefix + k if not k.startswith(prefix) else k: v for k, v in metrics.result().items()}
 
 
 async def _shortfall(

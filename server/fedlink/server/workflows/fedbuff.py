@@ -39,8 +39,8 @@ import json
 import logging
 import math
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
@@ -49,11 +49,22 @@ from numpy.typing import NDArray
 
 from fedlink.common.dxo import DXO, DataKind, MetaKey, weight_of
 from fedlink.common.errors import FailedPrecondition, InvalidArgument
-from fedlink.server.domain import TRAIN_TASK, AssignmentState, Result, Task, TaskState
+from fedlink.server.domain import (
+    EVALUATE_TASK,
+    TRAIN_TASK,
+    Assignment,
+    AssignmentState,
+    Result,
+    ResultStatus,
+    Run,
+    Task,
+    TaskState,
+)
 from fedlink.server.domain.updates import model_spec
+from fedlink.server.store import StateStore
 from fedlink.server.workflows.base import WorkflowContext
 from fedlink.server.workflows.buffer import UpdateBuffer
-from fedlink.server.workflows.folding import THREAD_ELEMENTS, LazyModel
+from fedlink.server.workflows.folding import THREAD_ELEMENTS, LazyModel, evaluation_metrics
 from fedlink.server.workflows.params import WorkflowParams, seconds_field
 
 log = logging.getLogger(__name__)
@@ -69,6 +80,8 @@ _SETTLE_WAIT_S = 5.0
 #: device: at 100,000 devices, once per refill made the run quadratic), and how old when it falls short.
 _ELIGIBLE_MAX_AGE_S = 10.0
 _ELIGIBLE_SHORT_AGE_S = 1.0
+#: The last entry of an evaluation sample's seed, so that it never draws the training samples' numbers.
+_EVAL_STREAM = 0xE7A1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,6 +120,12 @@ class FedBuffParams(WorkflowParams):
     seed: int = 0
     #: Model version checkpoints kept besides the final model.
     keep_checkpoints: int = 3
+    #: Evaluate every this many versions (each version it divides), as NVIDIA FLARE's
+    #: ``GlobalEvaluator(eval_frequency=N)``: an ``evaluate`` task with the new model goes to
+    #: ``eval_devices`` devices outside the selection; 0 never evaluates.
+    eval_frequency: int = 0
+    #: Devices that evaluate a version (fewer when fewer eligible devices are outside the selection).
+    eval_devices: int = 10
 
     def __post_init__(self) -> None:
         for name in (
@@ -114,10 +133,11 @@ class FedBuffParams(WorkflowParams):
             "num_updates_for_model",
             "device_selection_size",
             "min_hole_to_fill",
+            "eval_devices",
         ):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be at least 1")
-        for name in ("max_model_history", "keep_checkpoints"):
+        for name in ("max_model_history", "keep_checkpoints", "eval_frequency"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name} must not be negative")
         if self.min_hole_to_fill > self.device_selection_size:
@@ -141,8 +161,12 @@ class FedBuffParams(WorkflowParams):
 
     @property
     def task_names(self) -> tuple[str, ...]:
-        """``train``."""
-        return (TRAIN_TASK,)
+        """``train``, and ``evaluate`` when versions are evaluated."""
+        return (TRAIN_TASK, EVALUATE_TASK) if self.eval_frequency else (TRAIN_TASK,)
+
+    def evaluates(self, version: int) -> bool:
+        """Whether ``version`` is evaluated (every ``eval_frequency``-th made one; never the initial 0)."""
+        return self.eval_frequency > 0 and version > 0 and version % self.eval_frequency == 0
 
     def live_versions(self) -> int:
         """The most model versions whose updates the buffer may hold at once."""
@@ -312,6 +336,25 @@ class _Counters:
         }
 
 
+@dataclass(slots=True)
+class _VersionEvent:
+    """A version's ``model_version`` event not published yet: its evaluation is out, or an earlier
+    version's is (the events go out in version order)."""
+
+    version: int
+    payload: dict[str, Any]
+    #: Whether the version's evaluation is still out.
+    evaluating: bool = False
+    #: Its evaluation's tasks not settled yet, by task id.
+    out: dict[str, _Slot] = field(default_factory=dict)
+    #: Every task of its evaluation, in hand-out order (their results make its metrics).
+    tasks: list[str] = field(default_factory=list)
+
+    def as_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of it (its tasks are the store's: the version's ``evaluate`` tasks)."""
+        return {"version": self.version, "payload": self.payload, "evaluating": self.evaluating}
+
+
 class _Candidates:
     """The eligible devices as last read (sorted by id), sampled from without a walk of all of them.
 
@@ -346,12 +389,13 @@ class _Candidates:
         if at is not None:
             bisect.insort(self._used_at, at)
 
-    def _busy_at(self, busy: set[str]) -> list[int]:
-        return sorted(at for d in busy if (at := self.position(d)) is not None)
+    def positions(self, devices: Iterable[str]) -> list[int]:
+        """The sorted positions of those of ``devices`` that are listed."""
+        return sorted(at for d in devices if (at := self.position(d)) is not None)
 
     def usable(self, busy: set[str], *, reuse: bool) -> int:
         """How many listed devices a refill may pick (the selection's devices are used ones)."""
-        return len(self.devices) - (len(self._busy_at(busy)) if reuse else len(self._used_at))
+        return len(self.devices) - (len(self.positions(busy)) if reuse else len(self._used_at))
 
     def pick(self, excluded_at: Sequence[int], k: int, rng: np.random.Generator) -> list[str]:
         """``k`` listed devices not at ``excluded_at`` (sorted positions), uniformly, in id order."""
@@ -377,7 +421,7 @@ class _Candidates:
     ) -> list[str]:
         """``k`` devices for a refill (see :meth:`FedBuff._sample`)."""
         if not balanced:
-            return self.pick(self._busy_at(busy) if reuse else self._used_at, k, rng)
+            return self.pick(self.positions(busy) if reuse else self._used_at, k, rng)
         unused = self.pick(self._used_at, k, rng)  # the least used tier: devices with no task yet
         if len(unused) >= k or not reuse:
             return unused
@@ -420,6 +464,14 @@ class FedBuff:
         self._signals_read = 0
         self._settled_read = 0
         self._last_read = -math.inf
+        #: Per version, how many updates of its tasks were folded (kept for the versions with tasks out).
+        self._folded: Counter[int] = Counter()
+        #: The versions whose events wait for an evaluation (theirs or an earlier one's), in order.
+        self._unpublished: deque[_VersionEvent] = deque()
+        #: The latest checkpoint's metrics and workflow state (without the unpublished events), which
+        #: :meth:`_save` writes again when an evaluation ends.
+        self._metrics: dict[str, float] = {}
+        self._checkpoint_state: dict[str, Any] = {}
 
     # ---- the run ----
     async def run(self, ctx: WorkflowContext) -> None:
@@ -430,6 +482,7 @@ class FedBuff:
             await self._look(ctx, tracked)
             while self._version < self.params.max_model_version:
                 await self._step(ctx)
+            await self._finish_evaluations(ctx)
         finally:
             ctx.progress.sink = None
             self._arrivals.clear()
@@ -474,7 +527,7 @@ class FedBuff:
         """When the selection next needs a look whatever signals come: a pickup or task deadline."""
         pickup = timedelta(seconds=self.params.pickup_timeout_s)
         due: datetime | None = None
-        for slot in self._slots.values():
+        for slot in [*self._slots.values(), *self._evaluating()]:
             when = (
                 slot.task.deadline if slot.claimed else min(slot.task.deadline, slot.task.created_at + pickup)
             )
@@ -497,8 +550,14 @@ class FedBuff:
         state = ctx.state
         counters = state.get("counters", {})
         self._counters = _Counters(**{k: int(v) for k, v in counters.items() if k in _Counters.__slots__})
+        self._folded = Counter({int(v): int(n) for v, n in dict(state.get("folded", {})).items()})
+        self._metrics = {
+            k: float(v) for k, v in _json_object(run.metrics_json).items() if isinstance(v, int | float)
+        }
+        self._checkpoint_state = {k: v for k, v in state.items() if k != "unpublished"}
         pending = set(state.get("pending", ()))
-        tasks = [t for t in await ctx.store.list_tasks(run.run_id) if t.name == TRAIN_TASK]
+        every = await ctx.store.list_tasks(run.run_id)
+        tasks = [t for t in every if t.name == TRAIN_TASK]
         targets = await ctx.store.task_targets(task_ids=[t.task_id for t in tasks])
         device_of = {t.task_id: targets[t.task_id][0] for t in tasks if targets.get(t.task_id)}
         self._uses = Counter(device_of.values())
@@ -510,6 +569,7 @@ class FedBuff:
                 tracked.append(slot)
                 if task.state is TaskState.OPEN:
                     self._slots[task.task_id] = slot
+        await self._restore_evaluations(ctx, state.get("unpublished", ()), every)
         return tracked
 
     # ---- what the store says ----
@@ -519,12 +579,12 @@ class FedBuff:
         loop = asyncio.get_running_loop()
         self._signals_read, self._settled_read = ctx.progress.signals, self._arrivals.settled
         self._last_read = loop.time()
-        if not slots:
+        evaluating = self._evaluating()
+        if not slots and not evaluating:
             return
         now = ctx.clock.now()
-        latest = {
-            a.task_id: a for a in await ctx.store.list_assignments(task_ids=[s.task.task_id for s in slots])
-        }
+        ids = [s.task.task_id for s in (*slots, *evaluating)]
+        latest = {a.task_id: a for a in await ctx.store.list_assignments(task_ids=ids)}
         pickup = timedelta(seconds=self.params.pickup_timeout_s)
         completed: list[_Slot] = []
         lost: list[_Slot] = []
@@ -547,6 +607,7 @@ class FedBuff:
                 slot.claimed = True
         completed.extend(await self._close_all(ctx, lost, reason="lost"))
         await self._take_completed(ctx, completed)
+        await self._settle_evaluations(ctx, evaluating, latest, now)
 
     async def _close_all(self, ctx: WorkflowContext, slots: Sequence[_Slot], *, reason: str) -> list[_Slot]:
         """Closes the slots' tasks and frees them (later reports are STALE); returns those whose report the
@@ -633,6 +694,7 @@ class FedBuff:
 
     async def _fold(self, ctx: WorkflowContext, buffer: UpdateBuffer, slot: _Slot, update: DXO) -> None:
         slot.taken = True
+        self._folded[slot.version] += 1
         weight = weight_of(update) if self.params.update_weight == "num_examples" else 1.0
         minus = None
         if update.kind is DataKind.WEIGHTS:
@@ -690,32 +752,196 @@ class FedBuff:
         # Tasks done with are closed (their offers withdrawn), so that open tasks stay the selection's.
         done, self._done = self._done, []
         await ctx.store.close_tasks(done, fence=ctx.fence)
-        state = {"pending": list(self._slots), "counters": self._counters.as_dict()}
-        await ctx.store.save_checkpoint(
-            ctx.run.run_id,
-            version,
-            ref.sha256,
-            json.dumps(metrics, sort_keys=True),
-            keep_last=max(1, self.params.keep_checkpoints),
-            state_json=json.dumps(state, sort_keys=True),
-            fence=ctx.fence,
-        )
-        self._version, self._model, self._model_sha, self._on_version = version, arrays, ref.sha256, 0
-        live = {s.version for s in self._slots.values()}
-        self._models = {v: m for v, m in self._models.items() if v in live}
-        self._models[version] = LazyModel.of(arrays)
+        live = sorted({s.version for s in self._slots.values()})
+        self._folded = Counter({v: n for v, n in self._folded.items() if v in live})
+        self._checkpoint_state = {
+            "pending": list(self._slots),
+            "counters": self._counters.as_dict(),
+            # For the metrics, read from the store (progress_of): the versions with tasks out, and how
+            # many of their tasks' updates the versions made so far consumed.
+            "live_versions": live,
+            "folded": {str(v): n for v, n in sorted(self._folded.items())},
+        }
         payload = {
             "num_updates": count,
             "staleness": {str(s): n for s, n in staleness.items()},
-            "metrics": metrics,
+            "metrics": dict(metrics),
             "selection": len(self._slots),
             "counters": self._counters.as_dict(),
         }
-        await ctx.events.emit(ctx.job, MODEL_VERSION_EVENT, version, payload)
+        event = _VersionEvent(version, payload, evaluating=self.params.evaluates(version))
+        held = event.evaluating or bool(self._unpublished)  # events go out in version order
+        if held:
+            self._unpublished.append(event)
+        self._metrics = metrics
+        await self._save(ctx, version, ref.sha256)
+        self._version, self._model, self._model_sha, self._on_version = version, arrays, ref.sha256, 0
+        self._models = {v: m for v, m in self._models.items() if v in live}
+        self._models[version] = LazyModel.of(arrays)
         log.info(
             "model version made",
             extra={"job_id": ctx.job.job_id, "model_version": version, "num_updates": count},
         )
+        if not held:
+            await ctx.events.emit(ctx.job, MODEL_VERSION_EVENT, version, payload)
+        elif event.evaluating:
+            await self._evaluate(ctx, event)
+
+    async def _save(self, ctx: WorkflowContext, version: int, model_sha: str) -> None:
+        """Checkpoints the latest version: its model, its metrics, and as state the checkpoint's with the
+        events not published yet (written again, the same otherwise, when an evaluation ends)."""
+        state = {**self._checkpoint_state, "unpublished": [e.as_state() for e in self._unpublished]}
+        await ctx.store.save_checkpoint(
+            ctx.run.run_id,
+            version,
+            model_sha,
+            json.dumps(self._metrics, sort_keys=True),
+            keep_last=max(1, self.params.keep_checkpoints),
+            state_json=json.dumps(state, sort_keys=True),
+            fence=ctx.fence,
+        )
+
+    # ---- evaluation ----
+    def _evaluating(self) -> list[_Slot]:
+        """The evaluation tasks not settled yet."""
+        return [slot for event in self._unpublished for slot in event.out.values()]
+
+    async def _evaluate(self, ctx: WorkflowContext, event: _VersionEvent) -> None:
+        """Hands the version just made to ``eval_devices`` eligible devices outside the selection (and not
+        evaluating already), sampled uniformly, seeded by (seed, version); with none, it ends at once.
+
+        The devices are not kept from the selection's refills: evaluation never changes which devices
+        train (one sampled for training meanwhile picks its ``train`` task up once it reported, the
+        ``evaluate`` task being offered first).
+        """
+        candidates = self._candidates
+        if not candidates.devices:
+            await candidates.refresh(ctx, self._uses, max_age=_ELIGIBLE_MAX_AGE_S)
+        busy = {s.device for s in self._slots.values()} | {s.device for s in self._evaluating()}
+        excluded = candidates.positions(busy)
+        k = min(self.params.eval_devices, len(candidates.devices) - len(excluded))
+        rng = np.random.default_rng([self.params.seed & 0xFFFFFFFF, event.version, 0, _EVAL_STREAM])
+        chosen = candidates.pick(excluded, k, rng) if k > 0 else []
+        if not chosen:
+            log.warning(
+                "no eligible device outside the selection to evaluate a model version",
+                extra={"job_id": ctx.job.job_id, "model_version": event.version},
+            )
+            await self._end_evaluation(ctx, event)
+            return
+        tasks = await ctx.hand_out(
+            EVALUATE_TASK,
+            self._model_sha,
+            chosen,
+            round=event.version,
+            due_in=timedelta(seconds=self.params.task_timeout_s),
+            model_version=event.version,
+        )
+        event.tasks = [t.task_id for t in tasks]
+        event.out = {t.task_id: _Slot(t, d) for t, d in zip(tasks, chosen, strict=True)}
+
+    async def _settle_evaluations(
+        self, ctx: WorkflowContext, slots: Sequence[_Slot], latest: Mapping[str, Assignment], now: datetime
+    ) -> None:
+        """Settles the evaluation tasks that were reported (a failure counts for nothing), lost, not
+        picked up within ``pickup_timeout`` or not reported within ``task_timeout``; ends each
+        evaluation with none left out and publishes what may go out."""
+        pickup = timedelta(seconds=self.params.pickup_timeout_s)
+        settled: set[str] = set()
+        for slot in slots:
+            assignment = latest.get(slot.task.task_id)
+            if (
+                (assignment is not None and assignment.state is not AssignmentState.LEASED)
+                or now >= slot.task.deadline
+                or (assignment is None and now >= slot.task.created_at + pickup)
+            ):
+                settled.add(slot.task.task_id)
+            elif assignment is not None:
+                slot.claimed = True
+        for event in list(self._unpublished):
+            for task_id in settled & event.out.keys():
+                del event.out[task_id]
+            if event.evaluating and not event.out:
+                await self._end_evaluation(ctx, event)
+
+    async def _end_evaluation(self, ctx: WorkflowContext, event: _VersionEvent) -> None:
+        """Closes an evaluation (a later report is STALE) and adds the weighted mean of its successful
+        results' metrics, prefixed ``eval_``, to its version's event (and, if that version is still the
+        latest, to the checkpoint's metrics); then publishes the events that may go out."""
+        await ctx.store.close_tasks(event.tasks, fence=ctx.fence)
+        results = [
+            r
+            for task_id in event.tasks
+            for r in await ctx.store.list_results(task_id=task_id)
+            if r.status is ResultStatus.SUCCEEDED and r.accepted and r.payload_sha256
+        ]
+        metrics = await evaluation_metrics(results, ctx.store.blobs.read_each)
+        event.payload["metrics"] = {**event.payload["metrics"], **metrics}
+        event.evaluating, event.out = False, {}
+        if event.version == self._version:
+            self._metrics = {**self._metrics, **metrics}
+        log.info(
+            "model version evaluated",
+            extra={"job_id": ctx.job.job_id, "model_version": event.version, "num_results": len(results)},
+        )
+        await self._publish(ctx)
+
+    async def _publish(self, ctx: WorkflowContext) -> None:
+        """Emits the held events, in version order, up to the first whose evaluation is still out; the
+        latest checkpoint is written again first, without them (a crash in between loses them, as a
+        crash between a checkpoint and its event does)."""
+        ready: list[_VersionEvent] = []
+        while self._unpublished and not self._unpublished[0].evaluating:
+            ready.append(self._unpublished.popleft())
+        if not ready:
+            return
+        await self._save(ctx, self._version, self._model_sha)
+        for event in ready:
+            await ctx.events.emit(ctx.job, MODEL_VERSION_EVENT, event.version, event.payload)
+
+    async def _finish_evaluations(self, ctx: WorkflowContext) -> None:
+        """After the last version: closes the selection (its updates would count for nothing), then waits
+        for the evaluations still out and publishes their versions."""
+        if not self._unpublished:
+            return
+        await ctx.store.close_tasks([*self._slots, *self._done], fence=ctx.fence)
+        self._slots.clear()
+        self._done = []
+        while self._unpublished:
+            await self._look(ctx, [])
+            due = self._next_due(ctx.clock.now())
+            wait = self._poll if due is None else min(self._poll, (due - ctx.clock.now()).total_seconds())
+            if self._unpublished:
+                await ctx.progress.wait(max(0.0, wait))
+
+    async def _restore_evaluations(
+        self, ctx: WorkflowContext, saved: Iterable[Mapping[str, Any]], tasks: Sequence[Task]
+    ) -> None:
+        """Takes up the checkpoint's unpublished events: an evaluation still out goes on with the
+        version's ``evaluate`` tasks in the store (handed out now if the crash came before they were:
+        then the version is the latest); one with none left open ends now."""
+        for item in saved:
+            event = _VersionEvent(
+                int(item["version"]), dict(item["payload"]), evaluating=bool(item["evaluating"])
+            )
+            self._unpublished.append(event)
+            if not event.evaluating:
+                continue
+            mine = [t for t in tasks if t.name == EVALUATE_TASK and t.round == event.version]
+            event.tasks = [t.task_id for t in mine]
+            targets = await ctx.store.task_targets(task_ids=event.tasks)
+            event.out = {
+                t.task_id: _Slot(t, targets[t.task_id][0])
+                for t in mine
+                if t.state is TaskState.OPEN and targets.get(t.task_id)
+            }
+        for event in list(self._unpublished):
+            if not event.evaluating or event.out:
+                continue
+            if not event.tasks and event.version == self._version:
+                await self._evaluate(ctx, event)
+            else:
+                await self._end_evaluation(ctx, event)
 
     # ---- the selection ----
     def _free(self, slot: _Slot) -> None:
@@ -797,4 +1023,45 @@ class FedBuff:
             )
 
 
-__all__ = ["MODEL_VERSION_EVENT", "Arrivals", "FedBuff", "FedBuffParams"]
+# ---- what the store says of a run ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FedBuffProgress:
+    """Where a FedBuff run stands, as the store has it: the same on every coordinator replica."""
+
+    #: The latest model version (0: the job's initial model).
+    version: int
+    #: Updates the store accepted that no version consumed yet.
+    buffered: int
+    #: Devices holding a task of the selection (handed out, neither reported nor lost).
+    selection_filled: int
+
+
+async def progress_of(store: StateStore, run: Run) -> FedBuffProgress:
+    """Reads a FedBuff run's progress from its latest checkpoint and one count per version with tasks
+    out (usually at most ``max_model_history``): no walk of devices, tasks or results.
+
+    The checkpoint names the versions with tasks out (every other version's tasks are closed) and how
+    many of their updates the versions made so far consumed; the store counts each version's accepted
+    updates and open tasks owing a report (``round_summary``). A checkpoint written by a release before
+    these keys counts the latest version only.
+    """
+    state = _json_object(run.workflow_state_json)
+    versions = {run.round, *(int(v) for v in state.get("live_versions", ()))}
+    folded = {int(v): int(n) for v, n in dict(state.get("folded", {})).items()}
+    buffered = holding = 0
+    for version in sorted(versions):
+        summary = await store.round_summary(run_id=run.run_id, round=version, name=TRAIN_TASK)
+        buffered += summary.succeeded - folded.get(version, 0)
+        holding += summary.owing
+    return FedBuffProgress(version=run.round, buffered=max(0, buffered), selection_filled=holding)
+
+
+def _json_object(text: str | None) -> dict[str, Any]:
+    """A JSON object the workflow wrote (``{}`` for anything else: no checkpoint yet is ``[]``)."""
+    value = json.loads(text or "{}")
+    return value if isinstance(value, dict) else {}
+
+
+__all__ = ["MODEL_VERSION_EVENT", "Arrivals", "FedBuff", "FedBuffParams", "FedBuffProgress", "progress_of"]

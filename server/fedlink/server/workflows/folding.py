@@ -33,7 +33,7 @@ from typing import Any
 from numpy.typing import NDArray
 
 from fedlink.common.dxo import DXO, DataKind, weight_of
-from fedlink.common.errors import FailedPrecondition
+from fedlink.common.errors import FailedPrecondition, InvalidArgument
 from fedlink.server.domain import Result, Task
 from fedlink.server.domain.updates import VariableSpec, model_spec
 from fedlink.server.workflows.aggregation import WeightedAverage
@@ -93,26 +93,85 @@ def canonical_order(results: Sequence[Result], tasks: Mapping[str, Task]) -> lis
     return sorted(results, key=lambda r: (tasks[r.task_id].created_at, r.device_id))
 
 
+class ExactSum:
+    """A sum of floats kept exact until it is read (Shewchuk's non-overlapping partials, as
+    :func:`math.fsum` keeps them), so that the same terms give the same bits in any order.
+
+    A handful of partials in practice: each term costs a short loop, and memory does not grow with the
+    number of terms.
+    """
+
+    __slots__ = ("_partials",)
+
+    def __init__(self) -> None:
+        self._partials: list[float] = []
+
+    def add(self, x: float) -> None:
+        partials = self._partials
+        i = 0
+        for y in partials:
+            if abs(x) < abs(y):
+                x, y = y, x
+            high = x + y
+            low = y - (high - x)
+            if low:
+                partials[i] = low
+                i += 1
+            x = high
+        partials[i:] = [x]
+
+    def value(self) -> float:
+        """The sum, correctly rounded (inf if it overflows)."""
+        try:
+            return math.fsum(self._partials)
+        except OverflowError:
+            return math.copysign(math.inf, sum(self._partials))
+
+
 class MetricAverage:
-    """Weighted mean of the numeric metadata the results carry (weights themselves excluded)."""
+    """Weighted mean of the numeric metadata the results carry (weights themselves excluded).
+
+    Sums are exact (:class:`ExactSum`): results folded as they arrive, in whatever order, give the same
+    metrics to the bit, as the models they come with do.
+    """
 
     _SKIP = frozenset({"num_examples", "num_steps_current_round", "model_version"})
 
     def __init__(self) -> None:
-        self._sums: dict[str, float] = {}
-        self._weights: dict[str, float] = {}
+        self._sums: dict[str, ExactSum] = {}
+        self._weights: dict[str, ExactSum] = {}
 
     def add(self, meta: Mapping[str, Any], weight: float) -> None:
         for key, value in meta.items():
             if key in self._SKIP or isinstance(value, bool) or not isinstance(value, int | float):
                 continue
-            if not math.isfinite(value):
+            term = weight * float(value)
+            if not math.isfinite(term):
                 continue
-            self._sums[key] = self._sums.get(key, 0.0) + weight * float(value)
-            self._weights[key] = self._weights.get(key, 0.0) + weight
+            if key not in self._sums:
+                self._sums[key], self._weights[key] = ExactSum(), ExactSum()
+            self._sums[key].add(term)
+            self._weights[key].add(weight)
 
     def result(self) -> dict[str, float]:
-        return {k: self._sums[k] / self._weights[k] for k in sorted(self._sums)}
+        return {k: self._sums[k].value() / self._weights[k].value() for k in sorted(self._sums)}
+
+
+async def evaluation_metrics(
+    results: Sequence[Result], read_each: Callable[[Sequence[str]], AsyncIterator[bytes]]
+) -> dict[str, float]:
+    """The weighted mean (by ``num_examples``, else 1) of evaluation results' numeric metrics, in meta
+    or, as the built-in trainers send them, as 0-d data; each prefixed ``eval_`` (unless it is)."""
+    metrics = MetricAverage()
+    async for payload in read_each([r.payload_sha256 for r in results if r.payload_sha256]):
+        dxo = DXO.from_bytes(payload)
+        try:
+            weight = weight_of(dxo)
+        except InvalidArgument:
+            weight = 1.0
+        scalars = {k: float(v) for k, v in dxo.data.items() if v.size == 1 and v.dtype.kind in "fiu"}
+        metrics.add({**scalars, **dxo.meta}, weight)
+    return {k if k.startswith("eval_") else f"eval_{k}": v for k, v in metrics.result().items()}
 
 
 @dataclass(slots=True)

@@ -172,6 +172,8 @@ _FEDBUFF_OPTIONAL: Final = (
     "min_hole_to_fill",
     "device_reuse",
     "keep_checkpoints",
+    "eval_frequency",
+    "eval_devices",
 )
 #: FedBuffConfig's durations: (field, config key), zero meaning the default.
 _FEDBUFF_DURATIONS: Final = (

@@ -520,6 +520,8 @@ class FedBuffConfig(_message.Message):
     PICKUP_TIMEOUT_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     KEEP_CHECKPOINTS_FIELD_NUMBER: _builtins.int
+    EVAL_FREQUENCY_FIELD_NUMBER: _builtins.int
+    EVAL_DEVICES_FIELD_NUMBER: _builtins.int
     max_model_version: _builtins.int
     """The model version that ends the job (>= 1)."""
     num_updates_for_model: _builtins.int
@@ -547,6 +549,18 @@ class FedBuffConfig(_message.Message):
     keep_checkpoints: _builtins.int
     """How many of the latest version checkpoints to keep besides the final model. Unset means the
     coordinator's default (3).
+    """
+    eval_frequency: _builtins.int
+    """Evaluate every this many model versions (each version it divides), as NVIDIA FLARE's
+    `eval_frequency`: an `evaluate` task with the new model goes to `eval_devices` eligible devices
+    outside the selection, and the weighted mean of their metrics, prefixed `eval_`, is in that
+    version's `ModelVersionEvent.metrics`, which then comes once the evaluation is in (the events
+    keep version order; training never waits). Evaluation results are never aggregated into a model.
+    Unset or zero never evaluates; negative is INVALID_ARGUMENT.
+    """
+    eval_devices: _builtins.int
+    """Devices that evaluate a version (>= 1), fewer when fewer eligible devices are outside the
+    selection; unset means 10.
     """
     @_builtins.property
     def device_wait_timeout(self) -> _duration_pb2.Duration:
@@ -582,15 +596,21 @@ class FedBuffConfig(_message.Message):
         pickup_timeout: _duration_pb2.Duration | None = ...,
         seed: _builtins.int = ...,
         keep_checkpoints: _builtins.int | None = ...,
+        eval_frequency: _builtins.int | None = ...,
+        eval_devices: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_device_reuse", b"_device_reuse", "_device_selection_size", b"_device_selection_size", "_global_lr", b"_global_lr", "_keep_checkpoints", b"_keep_checkpoints", "_max_model_history", b"_max_model_history", "_min_hole_to_fill", b"_min_hole_to_fill", "_num_updates_for_model", b"_num_updates_for_model", "_staleness_weight", b"_staleness_weight", "device_reuse", b"device_reuse", "device_selection_size", b"device_selection_size", "device_wait_timeout", b"device_wait_timeout", "global_lr", b"global_lr", "keep_checkpoints", b"keep_checkpoints", "max_model_history", b"max_model_history", "min_hole_to_fill", b"min_hole_to_fill", "num_updates_for_model", b"num_updates_for_model", "pickup_timeout", b"pickup_timeout", "staleness_weight", b"staleness_weight", "task_timeout", b"task_timeout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_device_reuse", b"_device_reuse", "_device_selection_size", b"_device_selection_size", "_eval_devices", b"_eval_devices", "_eval_frequency", b"_eval_frequency", "_global_lr", b"_global_lr", "_keep_checkpoints", b"_keep_checkpoints", "_max_model_history", b"_max_model_history", "_min_hole_to_fill", b"_min_hole_to_fill", "_num_updates_for_model", b"_num_updates_for_model", "_staleness_weight", b"_staleness_weight", "device_reuse", b"device_reuse", "device_selection_size", b"device_selection_size", "device_wait_timeout", b"device_wait_timeout", "eval_devices", b"eval_devices", "eval_frequency", b"eval_frequency", "global_lr", b"global_lr", "keep_checkpoints", b"keep_checkpoints", "max_model_history", b"max_model_history", "min_hole_to_fill", b"min_hole_to_fill", "num_updates_for_model", b"num_updates_for_model", "pickup_timeout", b"pickup_timeout", "staleness_weight", b"staleness_weight", "task_timeout", b"task_timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_device_reuse", b"_device_reuse", "_device_selection_size", b"_device_selection_size", "_global_lr", b"_global_lr", "_keep_checkpoints", b"_keep_checkpoints", "_max_model_history", b"_max_model_history", "_min_hole_to_fill", b"_min_hole_to_fill", "_num_updates_for_model", b"_num_updates_for_model", "_staleness_weight", b"_staleness_weight", "device_reuse", b"device_reuse", "device_sampling_strategy", b"device_sampling_strategy", "device_selection_size", b"device_selection_size", "device_wait_timeout", b"device_wait_timeout", "global_lr", b"global_lr", "keep_checkpoints", b"keep_checkpoints", "max_model_history", b"max_model_history", "max_model_version", b"max_model_version", "min_hole_to_fill", b"min_hole_to_fill", "num_updates_for_model", b"num_updates_for_model", "pickup_timeout", b"pickup_timeout", "seed", b"seed", "staleness_weight", b"staleness_weight", "task_timeout", b"task_timeout", "update_weight", b"update_weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_device_reuse", b"_device_reuse", "_device_selection_size", b"_device_selection_size", "_eval_devices", b"_eval_devices", "_eval_frequency", b"_eval_frequency", "_global_lr", b"_global_lr", "_keep_checkpoints", b"_keep_checkpoints", "_max_model_history", b"_max_model_history", "_min_hole_to_fill", b"_min_hole_to_fill", "_num_updates_for_model", b"_num_updates_for_model", "_staleness_weight", b"_staleness_weight", "device_reuse", b"device_reuse", "device_sampling_strategy", b"device_sampling_strategy", "device_selection_size", b"device_selection_size", "device_wait_timeout", b"device_wait_timeout", "eval_devices", b"eval_devices", "eval_frequency", b"eval_frequency", "global_lr", b"global_lr", "keep_checkpoints", b"keep_checkpoints", "max_model_history", b"max_model_history", "max_model_version", b"max_model_version", "min_hole_to_fill", b"min_hole_to_fill", "num_updates_for_model", b"num_updates_for_model", "pickup_timeout", b"pickup_timeout", "seed", b"seed", "staleness_weight", b"staleness_weight", "task_timeout", b"task_timeout", "update_weight", b"update_weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__device_reuse: _TypeAlias = _typing.Literal["device_reuse"]  # noqa: Y015
     _WhichOneofArgType__device_reuse: _TypeAlias = _typing.Literal["_device_reuse", b"_device_reuse"]  # noqa: Y015
     _WhichOneofReturnType__device_selection_size: _TypeAlias = _typing.Literal["device_selection_size"]  # noqa: Y015
     _WhichOneofArgType__device_selection_size: _TypeAlias = _typing.Literal["_device_selection_size", b"_device_selection_size"]  # noqa: Y015
+    _WhichOneofReturnType__eval_devices: _TypeAlias = _typing.Literal["eval_devices"]  # noqa: Y015
+    _WhichOneofArgType__eval_devices: _TypeAlias = _typing.Literal["_eval_devices", b"_eval_devices"]  # noqa: Y015
+    _WhichOneofReturnType__eval_frequency: _TypeAlias = _typing.Literal["eval_frequency"]  # noqa: Y015
+    _WhichOneofArgType__eval_frequency: _TypeAlias = _typing.Literal["_eval_frequency", b"_eval_frequency"]  # noqa: Y015
     _WhichOneofReturnType__global_lr: _TypeAlias = _typing.Literal["global_lr"]  # noqa: Y015
     _WhichOneofArgType__global_lr: _TypeAlias = _typing.Literal["_global_lr", b"_global_lr"]  # noqa: Y015
     _WhichOneofReturnType__keep_checkpoints: _TypeAlias = _typing.Literal["keep_checkpoints"]  # noqa: Y015
@@ -607,6 +627,10 @@ class FedBuffConfig(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__device_reuse) -> _WhichOneofReturnType__device_reuse | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__device_selection_size) -> _WhichOneofReturnType__device_selection_size | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__eval_devices) -> _WhichOneofReturnType__eval_devices | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__eval_frequency) -> _WhichOneofReturnType__eval_frequency | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__global_lr) -> _WhichOneofReturnType__global_lr | None: ...
     @_typing.overload
