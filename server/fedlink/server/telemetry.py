@@ -118,6 +118,33 @@ class Telemetry:
             ("job_id",),
             registry=r,
         )
+        # FedBuff's jobs have model versions instead of rounds. The selection's fill and its size are two
+        # gauges, not a ratio: a ratio hides whether 50 % is 1 of 2 devices or 500 of 1,000, and
+        # fedlink_selection_filled / fedlink_selection_size is one PromQL division away.
+        self._model_version = Gauge(
+            "fedlink_model_version",
+            "The latest global model version of each running FedBuff job (0: the initial model).",
+            ("job_id",),
+            registry=r,
+        )
+        self._buffered_updates = Gauge(
+            "fedlink_buffered_updates",
+            "Updates of each running FedBuff job accepted and not yet aggregated into a model version.",
+            ("job_id",),
+            registry=r,
+        )
+        self._selection_filled = Gauge(
+            "fedlink_selection_filled",
+            "Devices holding a task of each running FedBuff job's selection (not yet reported or lost).",
+            ("job_id",),
+            registry=r,
+        )
+        self._selection_size = Gauge(
+            "fedlink_selection_size",
+            "The devices each running FedBuff job's selection holds when full (device_selection_size).",
+            ("job_id",),
+            registry=r,
+        )
         self._results = Counter(
             "fedlink_results",
             "Results reported by devices: accepted (into the aggregate), stale (recorded, not aggregated), "
@@ -172,10 +199,26 @@ class Telemetry:
         """Sets how many results the open round of a job has so far."""
         self._round_results.labels(job_id=job_id).set(results)
 
+    def set_model_version(
+        self, job_id: str, version: int, *, buffered: int, selection_filled: int, selection_size: int
+    ) -> None:
+        """Sets a FedBuff job's model version, buffered updates and its selection's fill and size."""
+        self._model_version.labels(job_id=job_id).set(version)
+        self._buffered_updates.labels(job_id=job_id).set(buffered)
+        self._selection_filled.labels(job_id=job_id).set(selection_filled)
+        self._selection_size.labels(job_id=job_id).set(selection_size)
+
     def forget_job(self, job_id: str) -> None:
         """Removes a finished or deleted job's series."""
-        for gauge in (self._round, self._round_results):
-            with contextlib.suppress(KeyError):  # the job never had a round
+        for gauge in (
+            self._round,
+            self._round_results,
+            self._model_version,
+            self._buffered_updates,
+            self._selection_filled,
+            self._selection_size,
+        ):
+            with contextlib.suppress(KeyError):  # the job never had a series of this gauge
                 gauge.remove(job_id)
 
     def count_result(self, outcome: str) -> None:

@@ -1,4 +1,5 @@
-"""Refreshes the coordinator's domain gauges from the store: devices, jobs, round progress."""
+"""Refreshes the coordinator's domain gauges from the store: devices, jobs, round progress, and FedBuff's
+model versions, buffered updates and selection."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import asyncio
 import logging
 from datetime import timedelta
 
-from fedlink.common.errors import NotFound
-from fedlink.server.domain import TRAIN_TASK, JobState
+from fedlink.common.errors import InvalidArgument, NotFound
+from fedlink.server.domain import TRAIN_TASK, Job, JobState, Run
 from fedlink.server.services.loops import Loop
 from fedlink.server.store import StateStore, all_items
 from fedlink.server.telemetry import Telemetry
+from fedlink.server.workflows import registry
+from fedlink.server.workflows.fedbuff import FedBuffParams, progress_of
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +22,9 @@ class MetricsCollector:
     """Reads counts from the store every ``interval`` into :class:`Telemetry`'s gauges.
 
     Reading from the store (rather than counting events in-process) keeps the gauges right across
-    restarts and, later, across coordinator replicas sharing one database.
+    restarts and across coordinator replicas sharing one database. Each running job costs a few
+    aggregate queries: its run, then its open round's summary, or for FedBuff one summary per model
+    version with tasks out (see :func:`~fedlink.server.workflows.fedbuff.progress_of`).
     """
 
     def __init__(self, store: StateStore, telemetry: Telemetry, *, interval: timedelta) -> None:
@@ -48,10 +53,36 @@ class MetricsCollector:
                 run = await self._store.get_current_run(job.job_id)
             except NotFound:
                 continue
-            open_round = run.round + 1
-            summary = await self._store.round_summary(run_id=run.run_id, round=open_round, name=TRAIN_TASK)
-            self._telemetry.set_round(job.job_id, open_round, summary.succeeded)
+            fedbuff = _fedbuff_params(job)
+            if fedbuff is not None:
+                progress = await progress_of(self._store, run)
+                self._telemetry.set_model_version(
+                    job.job_id,
+                    progress.version,
+                    buffered=progress.buffered,
+                    selection_filled=progress.selection_filled,
+                    selection_size=fedbuff.device_selection_size,
+                )
+            else:
+                await self._set_round(job, run)
             running.add(job.job_id)
         for job_id in self._running - running:
             self._telemetry.forget_job(job_id)
         self._running = running
+
+    async def _set_round(self, job: Job, run: Run) -> None:
+        open_round = run.round + 1
+        summary = await self._store.round_summary(run_id=run.run_id, round=open_round, name=TRAIN_TASK)
+        self._telemetry.set_round(job.job_id, open_round, summary.succeeded)
+
+
+def _fedbuff_params(job: Job) -> FedBuffParams | None:
+    """The job's FedBuff parameters, or None for a job of another workflow (or an unreadable spec)."""
+    try:
+        spec = job.workflow
+        if spec.name != "fedbuff":
+            return None
+        params = registry.parse(spec)
+    except (ValueError, InvalidArgument):
+        return None
+    return params if isinstance(params, FedBuffParams) else None
