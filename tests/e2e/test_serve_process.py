@@ -67,15 +67,29 @@ class Serve:
             )
 
     def start(self, *extra: str) -> None:
+        """Starts the process and waits until it listens."""
+        self.launch(*extra)
+        self.wait_listening()
+
+    def launch(self, *extra: str) -> None:
+        """Starts the process without waiting for it (call :meth:`wait_listening` later). From the
+        thread that owns the test: the process is tied to the thread that starts it."""
         fedlink = str(Path(sys.executable).parent / "fedlink")
         args = [fedlink, "serve", "--data-dir", str(self.data_dir), "--listen-address", "127.0.0.1:0"]
         args += ["--insecure", "--open-enrolment", "--reaper-interval", "200ms", *extra]
         if self.db_url:
             args += ["--db-url", self.db_url]
         process = subprocess.Popen(tied(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.process, self._lines, self._output = process, queue.Queue(), []
+        self.process, self._lines, self._output, self.address = process, queue.Queue(), [], ""
         self._reader = threading.Thread(target=self._read, args=(process, self._lines), daemon=True)
         self._reader.start()
+
+    def wait_listening(self) -> None:
+        """Waits until the process started by :meth:`launch` says where it listens."""
+        process = self.process
+        assert process is not None
+        if self.address:
+            return
         deadline = time.monotonic() + PROCESS_WAIT_S
         while True:
             try:
