@@ -156,7 +156,13 @@ async def finish_on_b(b: Replica, job_id: str) -> None:
     """B's driver (at its gate after resuming from round 1) goes on; the job ends FINISHED with B's model."""
     b.gate.opened.set()
     await job_state(b.store, job_id, JobState.FINISHED)
-    run = await b.store.get_current_run(job_id)
+    # The run ends in the write after the job's (a final job is not scanned, so nobody takes it up).
+    async with asyncio.timeout(WAIT_S):
+        while True:
+            run = await b.store.get_current_run(job_id)
+            if run.state is not RunState.RUNNING:
+                break
+            await asyncio.sleep(0.01)
     assert (run.state, run.round, run.owner) == (RunState.FINISHED, 2, None)
     kept = await b.store.list_checkpoints(run.run_id)
     assert [c.round for c in kept] == [1, 2]
