@@ -57,7 +57,7 @@ class _PokeSupervisor(ResultListener):
         self._events = events
 
     def result_recorded(self, job_id: str, task: Task) -> None:
-        self._supervisor.progress(job_id)
+        self._supervisor.progress(job_id, task_id=task.task_id)
         self._events.wake(job_id)  # the result's result_received event is stored: watchers see it now
 
     def offer(self, job_id: str, task: Task, request_id: str, update: DXO) -> bool:
@@ -216,6 +216,10 @@ class CoordinatorCore:
             known_tasks=self.known_tasks,
         )
         self.supervisor = supervisor
+        if self._pg_notifier is not None:
+            # Reports recorded here for a run another replica drives reach its driver, and theirs ours.
+            supervisor.relay = self._pg_notifier.relay_progress
+            self._pg_notifier.on_progress = supervisor.heard
         self._device = DeviceProtocol(
             store,
             signer=CookieSigner(key),

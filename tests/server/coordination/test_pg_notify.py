@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 import asyncpg
 import pytest
 
-from fedlink.server.coordination.pg_notify import MAX_PAYLOAD_BYTES, PgTaskNotifier, encode
+from fedlink.server.coordination.pg_notify import MAX_PAYLOAD_BYTES, PgTaskNotifier, encode, encode_progress
 from fedlink.server.store.testing import asyncpg_dsn
 
 pytestmark = pytest.mark.postgres
@@ -193,3 +193,38 @@ async def test_an_application_name_in_the_url_names_the_store_and_listener_conne
     finally:
         await engine.dispose()
     assert "replica-7" in seen and "replica-7-notify" in seen, seen
+
+
+def test_relayed_reports_are_split_over_as_many_payloads_as_they_need() -> None:
+    assert [json.loads(p) for p in encode_progress("r", "job", [], True)] == [
+        {"replica": "r", "job": "job", "urgent": True, "reported": []}
+    ]
+    ids = [f"{i:032x}" for i in range(1000)]  # task ids are 32 hex characters
+    payloads = encode_progress("r", "job", ids, False)
+    assert len(payloads) > 1 and all(len(p) <= MAX_PAYLOAD_BYTES for p in payloads)
+    messages = [json.loads(p) for p in payloads]
+    assert [t for m in messages for t in m["reported"]] == sorted(ids)  # each once, none lost
+    assert {(m["replica"], m["job"], m["urgent"]) for m in messages} == {("r", "job", False)}
+
+
+async def test_reports_recorded_on_one_replica_are_relayed_to_the_other(
+    pair: tuple[PgTaskNotifier, PgTaskNotifier],
+) -> None:
+    a, b = pair
+    heard: list[tuple[str, list[str], bool]] = []
+    a.on_progress = lambda job, tasks, urgent: heard.append((job, list(tasks), urgent))
+    b.on_progress = lambda job, tasks, urgent: pytest.fail(f"B heard its own relay: {job} {tasks}")
+    many = [f"{i:032x}" for i in range(1000)]
+    for task_id in many:  # one tick: merged per job, then split over payloads
+        b.relay_progress("job", task_id, False)
+    b.relay_progress("other", None, True)  # an expiry: no task, urgent
+    # A task notification after the relays: once A heard it, it has heard them (one channel, in order).
+    marker = asyncio.create_task(a.waiter("marker", "d").wait(WAKE_S))
+    await asyncio.sleep(0.05)
+    b.notify("marker")
+    assert await marker is True
+    reported = sorted(t for job, tasks, _ in heard if job == "job" for t in tasks)
+    assert reported == many
+    assert all(urgent is False for job, _, urgent in heard if job == "job")
+    assert ("other", [], True) in heard
+    assert b.received == 0

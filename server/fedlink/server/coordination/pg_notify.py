@@ -10,6 +10,11 @@ a replica skips its own).
 * Payload: JSON ``{"replica": ..., "job": ..., "devices": [...]}``; without ``devices`` it concerns
   the whole job (also used when the device list would not fit PostgreSQL's 8000-byte payload limit);
   without ``job``, everything.
+* Run progress rides the same channel: a replica that records reports for a run another replica drives
+  relays them (:meth:`PgTaskNotifier.relay_progress`), ``{"replica": ..., "job": ..., "reported":
+  [task ids], "urgent": true|false}``, split over several notifications when the ids would not fit
+  one; the driver's replica hands them to :attr:`PgTaskNotifier.on_progress`. A relay lost with a
+  connection costs the driver at most its own periodic look at the run.
 * Batching: the notifications of one loop tick go out in one round trip (one ``pg_notify`` per job,
   device sets of a job merged), and those raised while a round trip is in flight go in the next.
 * Outages: the listener reconnects with backoff when its connection drops (a restart, a failover,
@@ -29,7 +34,7 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -68,6 +73,26 @@ def asyncpg_connect_args(url: str) -> dict[str, Any]:
         settings["application_name"] = f"{name if isinstance(name, str) else name[-1]}-notify"
         params["server_settings"] = settings
     return params
+
+
+def encode_progress(replica: str, job_id: str, task_ids: Collection[str], urgent: bool) -> list[str]:
+    """The payloads relaying a job's progress: the reported ``task_ids`` (sorted, as many notifications
+    as their length needs; one with none), and ``urgent``."""
+    head = {"replica": replica, "job": job_id, "urgent": urgent}
+    empty = len(json.dumps({**head, "reported": []}, separators=(",", ":")))
+    payloads: list[str] = []
+    chunk: list[str] = []
+    size = empty
+    for task_id in sorted(task_ids):
+        extra = len(json.dumps(task_id)) + 1
+        if chunk and size + extra > MAX_PAYLOAD_BYTES:
+            payloads.append(json.dumps({**head, "reported": chunk}, separators=(",", ":")))
+            chunk, size = [], empty
+        chunk.append(task_id)
+        size += extra
+    if chunk or not payloads:
+        payloads.append(json.dumps({**head, "reported": chunk}, separators=(",", ":")))
+    return payloads
 
 
 def encode(replica: str, job_id: str | None, devices: Collection[str] | None) -> str:
@@ -124,6 +149,10 @@ class PgTaskNotifier:
         self._local = LocalTaskNotifier()
         # What to publish: job -> devices, or None for the whole job. Kept while disconnected.
         self._outbox: dict[str, set[str] | None] = {}
+        # Progress to relay: job -> (reported task ids, urgent). Kept while disconnected.
+        self._progress_out: dict[str, tuple[set[str], bool]] = {}
+        #: Told what other replicas relay of a job's progress: (job, reported task ids, urgent).
+        self.on_progress: Callable[[str, Sequence[str], bool], None] | None = None
         # Set by notify() and by the connection's end: the listener task has something to do.
         self._wake = asyncio.Event()
         self._listening = asyncio.Event()
@@ -156,6 +185,15 @@ class PgTaskNotifier:
         pending = self._outbox[job_id]
         if pending is not None and len(pending) * _MIN_BYTES_PER_DEVICE > MAX_PAYLOAD_BYTES:
             self._outbox[job_id] = None  # cannot fit anyway: the whole job, without holding the set
+        self._wake.set()
+
+    def relay_progress(self, job_id: str, task_id: str | None, urgent: bool) -> None:
+        """Tells the other replicas (the one driving ``job_id``) that a report for ``task_id`` was
+        recorded here, or with ``urgent``, that the run changed; in this loop tick's batch."""
+        reported, was_urgent = self._progress_out.get(job_id, (set(), False))
+        if task_id is not None:
+            reported.add(task_id)
+        self._progress_out[job_id] = (reported, was_urgent or urgent)
         self._wake.set()
 
     def notify_all(self) -> None:
@@ -283,7 +321,7 @@ class PgTaskNotifier:
         while True:
             if connection.is_closed():
                 raise ConnectionError("the server closed the connection")
-            if self._outbox:
+            if self._outbox or self._progress_out:
                 await self._publish(connection)
                 continue  # what was raised during the round trip goes out now, in one more
             self._wake.clear()
@@ -297,11 +335,17 @@ class PgTaskNotifier:
         # Let the rest of this tick's notifications in first: they go out in the same round trip.
         await asyncio.sleep(0)
         outbox, self._outbox = self._outbox, {}
+        progress, self._progress_out = self._progress_out, {}
         payloads = [encode(self.replica, job_id, devices) for job_id, devices in outbox.items()]
+        for job_id, (reported, urgent) in progress.items():
+            payloads += encode_progress(self.replica, job_id, reported, urgent)
         try:
             await connection.execute(_PUBLISH, self._channel, payloads, timeout=self._connect_timeout)
         except BaseException:
             self._keep(outbox)  # sent again once connected again (a duplicate costs a spurious wake-up)
+            for job_id, (reported, urgent) in progress.items():  # a duplicate report is read, not counted
+                for task_id in reported or (None,):
+                    self.relay_progress(job_id, task_id, urgent)
             raise
         self.publishes += 1
 
@@ -328,6 +372,11 @@ class PgTaskNotifier:
         if replica == self.replica:
             return
         self.received += 1
+        if "reported" in message:
+            reported = message["reported"]
+            if job_id is not None and isinstance(reported, list) and self.on_progress is not None:
+                self.on_progress(str(job_id), [str(t) for t in reported], bool(message.get("urgent")))
+            return
         if job_id is None:
             self._local.notify_all()
         elif isinstance(devices, list):

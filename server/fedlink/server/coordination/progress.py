@@ -6,11 +6,17 @@ updates as they are reported (an :class:`UpdateSink`: FedAvg's streaming fold, a
 so that it need not read their payloads back from the store when it closes a round or makes a model.
 The store stays the truth: a sink is only ever a head start, and an update it never saw (reported to
 another replica, or before a restart) is read from the store.
+
+Replicas on one database: a report recorded on a replica that does not drive its run reaches the
+driver's :class:`Progress` too, relayed by PostgreSQL NOTIFY with the reported tasks' ids
+(:meth:`Progress.heard`), so that the driver can read those results while the round is still open
+rather than all at its close.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from fedlink.common.dxo import DXO
@@ -49,14 +55,23 @@ class Progress:
         self.sink: UpdateSink | None = None
         #: Set by an urgent :meth:`poke`; the driver clears it when it reads the state again.
         self.urgent = False
+        #: Told the tasks whose reports another replica recorded, while the driver wants them.
+        self.on_reported_elsewhere: Callable[[Sequence[str]], None] | None = None
 
-    def poke(self, *, urgent: bool = False) -> None:
-        """Signals progress; ``urgent`` when the driver should look at once (a lease ran out, the job
-        changed) rather than when enough results came."""
-        self.signals += 1
+    def poke(self, *, urgent: bool = False, count: int = 1) -> None:
+        """Signals progress (``count`` reports or changes); ``urgent`` when the driver should look at
+        once (a lease ran out, the job changed) rather than when enough results came."""
+        self.signals += count
         if urgent:
             self.urgent = True
         self._event.set()
+
+    def heard(self, task_ids: Sequence[str], *, urgent: bool = False) -> None:
+        """Another replica recorded reports for ``task_ids`` (or, with none, changed the run: a lease
+        ran out there): signals once per report, and hands the tasks to whoever wants them."""
+        if task_ids and self.on_reported_elsewhere is not None:
+            self.on_reported_elsewhere(task_ids)
+        self.poke(urgent=urgent, count=max(1, len(task_ids)))
 
     async def wait(self, seconds: float) -> None:
         """Waits until the next :meth:`poke` or ``seconds``, whichever comes first."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 
 from fedlink.common.errors import FedlinkError, IllegalTransition, InvalidArgument, NotFound
@@ -75,6 +76,9 @@ class JobSupervisor:
         self._drivers: dict[str, asyncio.Task[None]] = {}
         self._progress: dict[str, Progress] = {}
         self._wake = asyncio.Event()
+        #: Tells the other replicas of a job's progress here, when this replica does not drive it:
+        #: (job, the task reported or None, urgent). None on a store no other replica shares.
+        self.relay: Callable[[str, str | None, bool], None] | None = None
         # Jobs being failed from outside their drivers (a corrupted blob found by a device's read).
         self._failing: set[asyncio.Task[None]] = set()
 
@@ -84,12 +88,30 @@ class JobSupervisor:
         self.progress(job_id, urgent=True)
         self._wake.set()
 
-    def progress(self, job_id: str, *, urgent: bool = False) -> None:
+    def progress(self, job_id: str, *, urgent: bool = False, task_id: str | None = None) -> None:
         """Tells the job's driver that its run moved, without a scan of the jobs (which jobs exist
-        and in what state did not change): a result was recorded, or ``urgent``, leases ran out."""
-        progress = self._progress.get(job_id)
+        and in what state did not change): a report for ``task_id`` was recorded, or ``urgent``, leases
+        ran out. If another replica drives the job, the relay (if any) tells it."""
+        progress = self._driving(job_id)
         if progress is not None:
             progress.poke(urgent=urgent)
+        elif self.relay is not None:
+            self.relay(job_id, task_id, urgent)
+
+    def heard(self, job_id: str, task_ids: Sequence[str], urgent: bool) -> None:
+        """What another replica relayed of a job's progress (:meth:`progress` there): reports it recorded
+        for ``task_ids``, or an ``urgent`` change. Reaches the job's driver if this replica runs it."""
+        progress = self._driving(job_id)
+        if progress is not None:
+            progress.heard(task_ids, urgent=urgent)
+
+    def _driving(self, job_id: str) -> Progress | None:
+        """The job's Progress while this replica's driver of it runs (not one that found the run's lease
+        held elsewhere and ended)."""
+        driver = self._drivers.get(job_id)
+        if driver is None or driver.done():
+            return None
+        return self._progress.get(job_id)
 
     def sink(self, job_id: str) -> UpdateSink | None:
         """Where the job's driver takes accepted updates now, if this coordinator drives it."""

@@ -34,15 +34,21 @@ from fedlink.server.store.claiming import ClaimStatements, claim_batch
 from fedlink.server.store.core import StoreCore
 from fedlink.server.store.fencing import check_fence, check_fence_async
 from fedlink.server.store.protocol import ClaimRequest, NewTask
-from fedlink.server.store.schema import among, assignments, state_is, task_offers, task_targets, tasks
+from fedlink.server.store.schema import (
+    IN_BATCH,
+    among,
+    assignments,
+    state_is,
+    task_offers,
+    task_targets,
+    tasks,
+)
 
 _LEASED = AssignmentState.LEASED.value
 _OPEN = TaskState.OPEN.value
 # Literal predicates matching the partial indexes in schema.py (same states, same order).
 _LEASED_SQL = state_is(assignments.c.state, "LEASED")
 _OPEN_SQL = state_is(tasks.c.state, "OPEN")
-# Keeps IN lists well below SQLite's bound-parameter limit.
-_IN_BATCH = 500
 
 
 def drop_offers(conn: sa.Connection, task_ids: Sequence[str]) -> None:
@@ -50,8 +56,8 @@ def drop_offers(conn: sa.Connection, task_ids: Sequence[str]) -> None:
     statement = sa.delete(task_offers).where(
         among(task_offers.c.task_id, "task_ids", array=conn.dialect.name == "postgresql")
     )
-    for start in range(0, len(task_ids), _IN_BATCH):
-        conn.execute(statement, {"task_ids": list(task_ids[start : start + _IN_BATCH])})
+    for start in range(0, len(task_ids), IN_BATCH):
+        conn.execute(statement, {"task_ids": list(task_ids[start : start + IN_BATCH])})
 
 
 #: (device, job) pairs per round trip of :meth:`ClaimQueries.has_claimable_many`.
@@ -290,8 +296,8 @@ class ClaimQueries(StoreCore):
         found: set[str] = set()
         ids = sorted(set(assignment_ids))
         async with self._db.read() as conn:
-            for start in range(0, len(ids), _IN_BATCH):
-                chunk = {"assignment_ids": ids[start : start + _IN_BATCH]}
+            for start in range(0, len(ids), IN_BATCH):
+                chunk = {"assignment_ids": ids[start : start + IN_BATCH]}
                 found.update((await conn.execute(query, chunk)).scalars())
         return found
 

@@ -648,11 +648,13 @@ class StateStore(Protocol):
         self,
         *,
         task_id: str | None = None,
+        task_ids: Sequence[str] | None = None,
         run_id: str | None = None,
         round: int | None = None,
         accepted_only: bool = True,
     ) -> Sequence[Result]:
-        """Return results of a task, or of a run's round, ordered by device_id (canonical order)."""
+        """Return results of a task, of these tasks, or of a run's round, ordered by device_id
+        (canonical order; for ``task_ids``, within each batch of a few hundred)."""
         ...
 
     # ---- coordinator secrets and idempotency ----

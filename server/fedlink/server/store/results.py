@@ -21,6 +21,7 @@ from fedlink.server.store.event_log import append_job_events
 from fedlink.server.store.protocol import RecordOutcome, ResultReport
 from fedlink.server.store.rounds import add_to_round_counts
 from fedlink.server.store.schema import (
+    IN_BATCH,
     among,
     assignments,
     results,
@@ -119,12 +120,25 @@ class ResultQueries(StoreCore):
         self,
         *,
         task_id: str | None = None,
+        task_ids: Sequence[str] | None = None,
         run_id: str | None = None,
         round: int | None = None,
         accepted_only: bool = True,
     ) -> Sequence[Result]:
-        """Return results of a task, or of a run's round, ordered by device_id (canonical order)."""
+        """Return results of a task, of these tasks, or of a run's round, ordered by device_id
+        (canonical order; for ``task_ids``, within each batch of a few hundred)."""
         query = sa.select(results).order_by(results.c.device_id, results.c.task_id)
+        if accepted_only:
+            query = query.where(results.c.accepted.is_(True))
+        if task_ids is not None:
+            found: list[Result] = []
+            async with self._db.read() as conn:
+                for start in range(0, len(task_ids), IN_BATCH):
+                    chunk = list(task_ids[start : start + IN_BATCH])
+                    found.extend(
+                        rows.result(r) for r in await conn.execute(query.where(results.c.task_id.in_(chunk)))
+                    )
+            return found
         if task_id is not None:
             query = query.where(results.c.task_id == task_id)
         elif run_id is not None:
@@ -133,9 +147,7 @@ class ResultQueries(StoreCore):
                 in_run = in_run.where(tasks.c.round == round)
             query = query.where(results.c.task_id.in_(in_run))
         else:
-            raise InvalidArgument("list_results needs a task_id or a run_id")
-        if accepted_only:
-            query = query.where(results.c.accepted.is_(True))
+            raise InvalidArgument("list_results needs a task_id, task_ids or a run_id")
         async with self._db.read() as conn:
             return [rows.result(r) for r in await conn.execute(query)]
 

@@ -15,6 +15,7 @@ from fedlink.server.store.core import StoreCore
 from fedlink.server.store.fencing import check_fence
 from fedlink.server.store.protocol import ResultOutline, RoundSummary
 from fedlink.server.store.schema import (
+    IN_BATCH,
     assignments,
     results,
     round_counts,
@@ -45,8 +46,6 @@ def add_to_round_counts(
     return int(after[0]), int(after[1])
 
 
-# Keeps IN lists well below SQLite's bound-parameter limit.
-_IN_BATCH = 500
 _HELD = [AssignmentState.LEASED.value, AssignmentState.COMPLETED.value]
 _LOST = [AssignmentState.EXPIRED.value, AssignmentState.RELEASED.value, AssignmentState.FAILED.value]
 
@@ -58,8 +57,8 @@ class RoundQueries(StoreCore):
         """Return every assignment of these tasks (all states), oldest first."""
         out: list[Assignment] = []
         async with self._db.read() as conn:
-            for start in range(0, len(task_ids), _IN_BATCH):
-                chunk = list(task_ids[start : start + _IN_BATCH])
+            for start in range(0, len(task_ids), IN_BATCH):
+                chunk = list(task_ids[start : start + IN_BATCH])
                 query = (
                     sa.select(assignments)
                     .where(assignments.c.task_id.in_(chunk))
@@ -72,8 +71,8 @@ class RoundQueries(StoreCore):
         """Return the devices each targeted task is offered to (untargeted tasks are absent)."""
         out: dict[str, list[str]] = {}
         async with self._db.read() as conn:
-            for start in range(0, len(task_ids), _IN_BATCH):
-                chunk = list(task_ids[start : start + _IN_BATCH])
+            for start in range(0, len(task_ids), IN_BATCH):
+                chunk = list(task_ids[start : start + IN_BATCH])
                 query = (
                     sa.select(task_targets.c.task_id, task_targets.c.device_id)
                     .where(task_targets.c.task_id.in_(chunk))
@@ -211,8 +210,8 @@ class RoundQueries(StoreCore):
         def work(conn: sa.Connection) -> int:
             check_fence(conn, fence)
             closed = 0
-            for start in range(0, len(task_ids), _IN_BATCH):
-                chunk = {"task_ids": list(task_ids[start : start + _IN_BATCH])}
+            for start in range(0, len(task_ids), IN_BATCH):
+                chunk = {"task_ids": list(task_ids[start : start + IN_BATCH])}
                 conn.execute(withdraw, chunk)
                 closed += int(conn.execute(close, chunk).rowcount)
             return closed

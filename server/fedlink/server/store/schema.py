@@ -111,6 +111,10 @@ def state_is(column: sa.ColumnElement[str], *states: str) -> sa.ColumnElement[bo
     return column == literals[0] if len(literals) == 1 else column.in_(literals)
 
 
+#: The most ids bound in one IN list: well below SQLite's bound-parameter limit.
+IN_BATCH = 500
+
+
 def among(column: sa.ColumnElement[str], name: str, *, array: bool) -> sa.ColumnElement[bool]:
     """``column`` is one of the list bound as ``name``: ``= ANY(array)`` on PostgreSQL, else ``IN``.
 

@@ -52,6 +52,7 @@ from fedlink.server.workflows.base import WorkflowContext
 from fedlink.server.workflows.folding import (
     LazyModel,
     MetricAverage,
+    ReportedElsewhere,
     RoundFold,
     canonical_order,
     evaluation_metrics,
@@ -323,9 +324,18 @@ class FedAvg:
         """Runs one round on the global model ``model_sha`` (``model``, if the caller has it decoded);
         returns the new global model, stored and decoded."""
         updates = self._rule(await self._global_model(ctx, model_sha, model))
+        # Results recorded by other replicas sharing the store are read as they are relayed.
+        elsewhere = ReportedElsewhere(
+            updates,
+            results_of=lambda task_ids: ctx.store.list_results(task_ids=task_ids),
+            read_each=ctx.store.blobs.read_each,
+        )
         ctx.progress.sink, self._open = updates, updates
+        ctx.progress.on_reported_elsewhere = elsewhere.add
         try:
             await self._collect(ctx, round_no, TRAIN_TASK, model_sha, fresh=fresh)
+            ctx.progress.on_reported_elsewhere = None
+            await elsewhere.stop()
             # The round is closed: no result can be added. If the updates taken in-process are every
             # accepted result the store counts, the results need not be read back.
             closed = await ctx.store.round_summary(run_id=ctx.run.run_id, round=round_no, name=TRAIN_TASK)
@@ -333,7 +343,8 @@ class FedAvg:
                 results = await self._succeeded(ctx, round_no, TRAIN_TASK)
                 await updates.finish(results, ctx.store.blobs.read_each)
         finally:
-            ctx.progress.sink, self._open = None, None
+            elsewhere.cancel()
+            ctx.progress.sink, self._open, ctx.progress.on_reported_elsewhere = None, None, None
         count, metrics, devices = updates.count, dict(updates.metrics.result()), sorted(updates.devices())
         new_model = DXO(
             kind=DataKind.WEIGHTS,

@@ -24,6 +24,7 @@ of updates not yet folded, and declines the rest, which then take the store's pa
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,9 +35,12 @@ from numpy.typing import NDArray
 
 from fedlink.common.dxo import DXO, DataKind, weight_of
 from fedlink.common.errors import FailedPrecondition, InvalidArgument
-from fedlink.server.domain import Result, Task
+from fedlink.server.coordination.progress import UpdateSink
+from fedlink.server.domain import Result, ResultStatus, Task
 from fedlink.server.domain.updates import VariableSpec, model_spec
 from fedlink.server.workflows.aggregation import WeightedAverage
+
+log = logging.getLogger(__name__)
 
 #: Updates with more elements than this are folded in a worker thread (numpy releases the GIL), so the
 #: event loop goes on serving devices meanwhile. Smaller ones (up to ~30 ms of work) are folded on the
@@ -172,6 +176,98 @@ async def evaluation_metrics(
         scalars = {k: float(v) for k, v in dxo.data.items() if v.size == 1 and v.dtype.kind in "fiu"}
         metrics.add({**scalars, **dxo.meta}, weight)
     return {k if k.startswith("eval_") else f"eval_{k}": v for k, v in metrics.result().items()}
+
+
+#: A payload above this size is decoded in a worker thread (as the report path does), not on the loop.
+_DECODE_ON_LOOP_BYTES = 1 << 20
+
+
+class ReportedElsewhere:
+    """Takes the accepted results another replica recorded for a round into the round's updates while
+    the round is open, as their reports are relayed (:meth:`Progress.heard
+    <fedlink.server.coordination.progress.Progress.heard>`), so that the close finds them taken instead
+    of reading them all then.
+
+    Like the sink it feeds, only a head start: a result it could not read (or the sink declined, for
+    want of room) is read from the store at the close. Reads one batch of relayed tasks at a time: their
+    result rows, then their payloads, each offered to the sink and settled as accepted.
+    """
+
+    def __init__(
+        self,
+        sink: UpdateSink,
+        *,
+        results_of: Callable[[Sequence[str]], Awaitable[Sequence[Result]]],
+        read_each: Callable[[Sequence[str]], AsyncIterator[bytes]],
+    ) -> None:
+        self._sink = sink
+        self._results_of = results_of
+        self._read_each = read_each
+        self._pending: list[str] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        #: Results taken into the sink so far.
+        self.taken = 0
+
+    def add(self, task_ids: Sequence[str]) -> None:
+        """Tasks whose reports another replica recorded (what :class:`Progress` relays)."""
+        if self._stopping:
+            return
+        self._pending.extend(task_ids)
+        self._wake.set()
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="reported-elsewhere")
+
+    async def stop(self) -> None:
+        """Takes what was relayed so far, then stops (the round is closing: the rest is the close's)."""
+        self._stopping = True
+        self._wake.set()
+        task, self._task = self._task, None
+        if task is not None:
+            await task
+
+    def cancel(self) -> None:
+        """Stops at once (the round ended otherwise)."""
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            if not self._pending:
+                if self._stopping:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch, self._pending = self._pending, []
+            try:
+                await self._take(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a store outage, a corrupted payload: the close reads the rest
+                log.warning("could not read results relayed by another replica: %r", exc)
+
+    async def _take(self, task_ids: Sequence[str]) -> None:
+        found = await self._results_of(task_ids)
+        wanted = [
+            r
+            for r in found
+            if r.status is ResultStatus.SUCCEEDED and r.accepted and not r.stale and r.payload_sha256
+        ]
+        payloads = self._read_each([r.payload_sha256 for r in wanted if r.payload_sha256])
+        for result in wanted:
+            payload = await anext(payloads)
+            if len(payload) > _DECODE_ON_LOOP_BYTES:
+                update = await asyncio.to_thread(DXO.from_bytes, payload)
+            else:
+                update = DXO.from_bytes(payload)
+            del payload
+            if self._sink.offer(result.task_id, result.request_id, update):
+                self._sink.settle(result.task_id, result.request_id, accepted=True)
+                self.taken += 1
 
 
 @dataclass(slots=True)
@@ -395,9 +491,12 @@ class RoundFold:
                 raise FailedPrecondition(
                     f"the payload of result {result.result_id} was not kept and is not held for the round"
                 )
-        stored = read_each(
-            [r.payload_sha256 for r in rest if r.task_id not in from_memory and r.payload_sha256]
-        )
+        from_store = [r.payload_sha256 for r in rest if r.task_id not in from_memory and r.payload_sha256]
+        if from_store:
+            # Results this driver was never handed (another replica's not relayed in time, a restart's,
+            # or more than the fold could hold): the close waits for their reads.
+            log.debug("round close reads %d of %d results from the store", len(from_store), len(results))
+        stored = read_each(from_store)
         for result in rest:
             update = from_memory.get(result.task_id)
             if update is None:
