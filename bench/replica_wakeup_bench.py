@@ -11,9 +11,9 @@ Latency = the device's answer (wall clock, client side) minus the task's ``creat
 same machine and clock). Rounds whose task existed before a poll began are counted but left out of the
 figures (that poll did not wait for a wake-up).
 
-The round closes when A's driver sees both results. A result reported on B reaches A's driver only at
-its next poll of the store (results, unlike tasks, are not published across replicas), so the device
-on B reports first and the device on A second: A's own report closes the round at once.
+The round closes when A's driver sees both results. A result reported on B reaches A's driver by B's
+relay (NOTIFY, as tasks do); the device on B still reports first and the device on A second, so that
+A's own report closes the round and the next round's tasks do not wait for a relay.
 
     python bench/replica_wakeup_bench.py [--rounds 50] [--quick] [--json out.json] [--db-url URL]
 """
