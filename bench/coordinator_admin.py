@@ -139,17 +139,38 @@ class FedAvgJob:
     round_timeout_s: int
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FedBuffJob:
+    """The FedBuff parameters a benchmark job uses (the rest are the workflow's defaults)."""
+
+    name: str
+    max_model_version: int
+    device_selection_size: int
+    num_updates_for_model: int
+    max_model_history: int = 10
+
+
 async def submit_job(
-    control: cgrpc.ControlServiceAsyncStub, metadata: Metadata, model_sha256: str, job: FedAvgJob
+    control: cgrpc.ControlServiceAsyncStub,
+    metadata: Metadata,
+    model_sha256: str,
+    job: FedAvgJob | FedBuffJob,
 ) -> str:
-    """Submits a FedAvg job and returns its id."""
+    """Submits a FedAvg or FedBuff job and returns its id."""
     spec = cpb.JobSpec(name=job.name, initial_model=dxo_pb2.BlobRef(sha256=model_sha256))
-    spec.fedavg.num_rounds = job.rounds
-    spec.fedavg.devices_per_round = job.devices_per_round
-    spec.fedavg.min_results = job.min_results
-    spec.fedavg.min_devices = job.min_devices
-    spec.fedavg.seed = 1
-    spec.fedavg.round_timeout.FromSeconds(job.round_timeout_s)
+    if isinstance(job, FedBuffJob):
+        spec.fedbuff.max_model_version = job.max_model_version
+        spec.fedbuff.device_selection_size = job.device_selection_size
+        spec.fedbuff.num_updates_for_model = job.num_updates_for_model
+        spec.fedbuff.max_model_history = job.max_model_history
+        spec.fedbuff.seed = 1
+    else:
+        spec.fedavg.num_rounds = job.rounds
+        spec.fedavg.devices_per_round = job.devices_per_round
+        spec.fedavg.min_results = job.min_results
+        spec.fedavg.min_devices = job.min_devices
+        spec.fedavg.seed = 1
+        spec.fedavg.round_timeout.FromSeconds(job.round_timeout_s)
     reply = await control.SubmitJob(
         cpb.SubmitJobRequest(spec=spec, request_id=str(uuid.uuid4())), metadata=metadata
     )

@@ -56,6 +56,9 @@ class LoadSpec:
     expect_sha256: str = ""
     expect_size: int = 0
     hash_all: bool = False
+    #: ``devices`` mode: the measured window starts at this acknowledgement (0: the ``devices``-th,
+    #: the end of a round of every device; a FedBuff run's first fill is its selection).
+    warm_acks: int = 0
 
 
 @dataclass(slots=True)
@@ -213,12 +216,14 @@ async def _train_loop(device: Device, index: int, spec: LoadSpec, timings: Timin
         cookie = reply.cookie
 
 
-def _steady_window(acks: list[float], devices: int) -> tuple[float, float, int]:
-    """The measured window: from the end of round 1 (the devices-th ack) to the last ack."""
+def _steady_window(acks: list[float], devices: int, warm: int = 0) -> tuple[float, float, int]:
+    """The measured window: from the end of round 1 (the devices-th ack, or the ``warm``-th) to the last
+    ack; and the rounds of every device in it."""
     ordered = sorted(acks)
-    if len(ordered) <= devices:
+    first = warm or devices
+    if len(ordered) <= first:
         return ordered[0] if ordered else 0.0, ordered[-1] if ordered else 0.0, 0
-    return ordered[devices - 1], ordered[-1], len(ordered) // devices - 1
+    return ordered[first - 1], ordered[-1], (len(ordered) - first) // devices
 
 
 def _round_gaps(timings: Timings, acks: list[float], devices: int) -> list[float]:
@@ -244,7 +249,7 @@ async def run_devices(spec: LoadSpec) -> dict[str, Any]:
     outcomes = await asyncio.gather(
         *(_train_loop(d, i, spec, timings, acks) for i, d in enumerate(devices)), return_exceptions=True
     )
-    start, end, rounds = _steady_window(acks, spec.devices)
+    start, end, rounds = _steady_window(acks, spec.devices, spec.warm_acks)
     in_window = {k: [t for t in v if start < t <= end] for k, v in timings.end.items()}
     completed = sum(len(v) for v in in_window.values())
     window = end - start
@@ -257,6 +262,7 @@ async def run_devices(spec: LoadSpec) -> dict[str, Any]:
         "window_s": round(window, 3),
         "window": [start, end],
         "rounds_in_window": rounds,
+        "acks_in_window": sum(1 for t in acks if start < t <= end),
         "completed_rpcs": completed,
         "rpcs_per_s": round(completed / window, 1) if window > 0 else 0.0,
         "rpcs_in_window": {k: len(v) for k, v in in_window.items()},

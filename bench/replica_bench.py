@@ -101,7 +101,7 @@ def split(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
-async def _until_running(control: cgrpc.ControlServiceAsyncStub, admin: Metadata, job_id: str) -> None:
+async def until_running(control: cgrpc.ControlServiceAsyncStub, admin: Metadata, job_id: str) -> None:
     """Waits until the job is RUNNING: a coordinator has taken the lease on its run."""
     async with asyncio.timeout(120):
         while True:
@@ -138,7 +138,7 @@ async def replica_throughput(cfg: Config, workdir: Path, db_url: str, replicas: 
         control = await servers.enter_async_context(control_channel(driver.info["address"]))
         await upload_model(control, admin, model)
         job_id = await submit_job(control, admin, model.sha256, job)
-        await _until_running(control, admin, job_id)  # replica 0 drives: no other replica is up yet
+        await until_running(control, admin, job_id)  # replica 0 drives: no other replica is up yet
         coordinators = [driver] + [await servers.enter_async_context(server(i)) for i in range(1, replicas)]
         shares = split(cfg.devices, replicas)
         channels = split(max(cfg.channels, replicas), replicas)
