@@ -11,8 +11,12 @@ writes, keeping any file that already exists (delete one to make it anew):
 ``postgres-password``   the PostgreSQL password of the ``fedlink`` role (0600)
 ``grafana-admin-password``  Grafana's ``admin`` password (0600)
 ``ca.pem``, ``ca.key``  a CA for this deployment (the key 0600: keep it to issue more certificates)
-``server.pem/.key``     the coordinator's certificate, signed by that CA, for the given host names
+``server.pem/.key``     the certificate every coordinator replica presents, signed by that CA, for the
+                        given host names (compose's two replicas: ``coordinator`` and ``coordinator-2``)
 ======================  ===========================================================================
+
+A ``server.pem`` that does not cover every name asked for (one written before a name was added) is
+issued anew, with its key, from the same CA; runners keep trusting ``ca.pem``.
 
 Compose bind-mounts each secret file with the host's owner and mode, so the 0600 files must belong to
 the container user that reads them: uid 10001 (fedlink's images) and 472 (Grafana's). The script prints
@@ -22,6 +26,7 @@ the ``chown`` commands; run as root, ``--chown`` does it.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import secrets
 import shutil
@@ -30,10 +35,13 @@ import tempfile
 from pathlib import Path
 from typing import Final
 
+from cryptography import x509
+
 from fedlink.server.tls import ensure_self_signed
 
-#: The names compose's services reach the coordinator by, and the container's own loopback (HEALTHCHECK).
-DEFAULT_HOSTNAMES: Final = ("coordinator", "localhost", "127.0.0.1")
+#: The names compose's services reach the coordinator replicas by, and a container's own loopback (its
+#: HEALTHCHECK, and the host's published ports).
+DEFAULT_HOSTNAMES: Final = ("coordinator", "coordinator-2", "localhost", "127.0.0.1")
 #: Secret files and how many random bytes each holds (hex: safe inside a database URL).
 _TOKENS: Final = {"join-secret": 32, "admin-token": 32, "postgres-password": 24, "grafana-admin-password": 16}
 #: Who reads each private file inside its container: fedlink's user (10001), Grafana's (472). PostgreSQL
@@ -58,27 +66,61 @@ def _write_new(path: Path, text: str) -> bool:
     return True
 
 
+def covers(certificate: Path, hostnames: tuple[str, ...]) -> bool:
+    """Whether the PEM ``certificate`` names every one of ``hostnames`` (DNS names or IP addresses)."""
+    cert = x509.load_pem_x509_certificate(certificate.read_bytes())
+    try:
+        present = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return False
+    names = set(present.get_values_for_type(x509.DNSName)) | set(present.get_values_for_type(x509.IPAddress))
+    return all(_general_name(host) in names for host in hostnames)
+
+
+def _general_name(host: str) -> str | ipaddress.IPv4Address | ipaddress.IPv6Address:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return host
+
+
 def make_secrets(out: Path, hostnames: tuple[str, ...] = DEFAULT_HOSTNAMES) -> list[Path]:
-    """Writes the missing secret files into ``out``; returns the files it wrote."""
+    """Writes the missing secret files into ``out``; returns the files it wrote.
+
+    A server certificate that does not cover ``hostnames`` is replaced, with its key, by one the same CA
+    issues for them.
+    """
     out.mkdir(mode=0o700, parents=True, exist_ok=True)
     written = [
         out / name for name, size in _TOKENS.items() if _write_new(out / name, secrets.token_hex(size))
     ]
-    names = {
-        "ca.pem": "ca_cert_path",
-        "ca.key": "ca_key_path",
-        "server.pem": "cert_path",
-        "server.key": "key_path",
-    }
-    if not all((out / name).exists() for name in names):
-        # fedlink's self-signed material (ECDSA P-256, the CA for 10 years), made in a scratch folder
-        # so that a partial set in ``out`` is replaced whole.
-        with tempfile.TemporaryDirectory() as scratch:
-            material = ensure_self_signed(Path(scratch) / "tls", hostnames)
-            for name, attribute in names.items():
-                source: Path = getattr(material, attribute)
-                shutil.copy2(source, out / name)  # keeps 0600 for the keys, 0644 for the certificates
-                written.append(out / name)
+    ca = {"ca.pem": "ca_cert_path", "ca.key": "ca_key_path"}
+    server = {"server.pem": "cert_path", "server.key": "key_path"}
+    complete = all((out / name).exists() for name in ca | server)
+    if complete and covers(out / "server.pem", hostnames):
+        return written
+    # fedlink's self-signed material (ECDSA P-256, the CA for 10 years), made in a scratch folder so that
+    # a partial set in ``out`` is replaced whole. A complete set keeps its CA and gets a new server pair
+    # (the old key is never read: it may already belong to the container's user).
+    with tempfile.TemporaryDirectory() as scratch:
+        tls = Path(scratch) / "tls"
+        if complete:
+            tls.mkdir(mode=0o700)
+            for name in ca:
+                shutil.copy2(out / name, tls / name)
+        material = ensure_self_signed(tls, hostnames)
+        for name, attribute in (ca | server).items():
+            source: Path = getattr(material, attribute)
+            target = out / name
+            if complete and name in ca and source.read_bytes() == target.read_bytes():
+                continue  # the CA runners already trust (a new one only if it expired)
+            # A new name, then a rename: a reader never sees half a file, and a file that belonged to
+            # another user (chowned for its container) is replaced, not written through.
+            partial = out / f".{name}.new"
+            partial.unlink(missing_ok=True)
+            shutil.copy2(source, partial)  # keeps 0600 for the keys, 0644 for the certificates
+            partial.replace(target)
+            written.append(target)
     return written
 
 
@@ -96,7 +138,13 @@ def main() -> int:
     parser.add_argument("--chown", action="store_true", help="give each private file to its reader (root)")
     args = parser.parse_args()
     hostnames = tuple(args.hostname) if args.hostname else DEFAULT_HOSTNAMES
-    for path in make_secrets(args.out, hostnames):
+    try:
+        written = make_secrets(args.out, hostnames)
+    except PermissionError as exc:
+        # A new server certificate needs ca.key; a folder chowned whole to the containers' user hides it.
+        print(f"error: {exc.strerror}: {exc.filename}: run this as its owner, or root", file=sys.stderr)
+        return 1
+    for path in written:
         print(f"wrote {path}")
     for uid in sorted(set(OWNERS.values())):
         files = [args.out / name for name, owner in OWNERS.items() if owner == uid]

@@ -11,6 +11,9 @@ import yaml
 
 from deploy.make_secrets import make_secrets
 
+#: deploy/compose.yaml's coordinator replicas, one PostgreSQL database under them.
+COORDINATORS = ("coordinator", "coordinator-2")
+
 
 @pytest.fixture(scope="session")
 def deploy_dir(repo_root: Path) -> Path:

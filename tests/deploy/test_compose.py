@@ -1,6 +1,8 @@
 """deploy/compose.yaml without a container engine: the Compose Specification's schema, then what
 `docker compose config` or `up` would find wrong (undeclared secrets, volumes and services, missing
-files, build targets the Dockerfile lacks), and its settings read by fedlink's own settings loaders."""
+files, build targets the Dockerfile lacks), its settings read by fedlink's own settings loaders, and the
+shape of its two coordinator replicas (one database, blobs in it, a data volume each, every client and
+Prometheus listing both, one certificate naming both)."""
 
 from __future__ import annotations
 
@@ -14,14 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from cryptography import x509
 
 from bench.orphans import tied
 from deploy.make_secrets import make_secrets
 from fedlink.runner.settings import load_runner_settings
+from fedlink.runner.transport.addresses import parse_addresses
 from fedlink.server.cli.jobfile import load_job_file
 from fedlink.server.settings import load_settings
 
-from .conftest import service_environment
+from .conftest import COORDINATORS, service_environment
+from .test_dockerfile import stages
 
 RUNNERS = ("runner-0", "runner-1", "runner-2")
 
@@ -101,7 +106,7 @@ def test_runners_split_the_digits_as_the_job_expects(
     for name in RUNNERS:
         environment = service_environment(compose, name, secrets_dir, deploy_dir)
         settings = load_runner_settings(environ=environment)
-        assert settings.server == "coordinator:8443" and settings.ca_cert is not None
+        assert settings.server == ",".join(_replica_addresses(compose)) and settings.ca_cert is not None
         assert settings.ca_cert.read_bytes() == (secrets_dir / "ca.pem").read_bytes()
         assert settings.join_secret == (secrets_dir / "join-secret").read_text().strip()
         assert settings.num_partitions == job.simulation.devices == len(RUNNERS)
@@ -118,26 +123,125 @@ def test_runners_split_the_digits_as_the_job_expects(
     assert sorted(p if p is not None else -1 for p in partitions) == list(range(len(RUNNERS)))
 
 
+def _replica_addresses(compose: dict[str, Any]) -> list[str]:
+    """``service:port`` of each coordinator replica in the compose network (its gRPC listen port)."""
+    services = compose["services"]
+    return [
+        f"{name}:{services[name]['environment']['FEDLINK_LISTEN_ADDRESS'].rsplit(':', 1)[1]}"
+        for name in COORDINATORS
+    ]
+
+
 def test_coordinator_settings_load_and_stop_within_the_grace_period(
     compose: dict[str, Any], deploy_dir: Path, secrets_dir: Path
 ) -> None:
-    environment = service_environment(compose, "coordinator", secrets_dir, deploy_dir)
-    environment["FEDLINK_DB_URL"] = "postgresql+asyncpg://fedlink:x@postgres:5432/fedlink"  # the entrypoint's
-    settings = load_settings(environ=environment)
-    assert settings.tls_cert == secrets_dir / "server.pem" and not settings.insecure
-    assert settings.metrics_address == "0.0.0.0:9464" and settings.auto_migrate is False
-    service = compose["services"]["coordinator"]
-    assert settings.shutdown_grace.total_seconds() < _seconds(service["stop_grace_period"])
-    entrypoint = service["entrypoint"]
-    assert entrypoint == compose["services"]["migrate"]["entrypoint"]
-    assert "/run/secrets/postgres-password" in entrypoint[2] and entrypoint[2].rstrip().endswith('"$$@"')
+    for name in COORDINATORS:
+        environment = service_environment(compose, name, secrets_dir, deploy_dir)
+        # What the entrypoint builds from the password secret:
+        environment["FEDLINK_DB_URL"] = "postgresql+asyncpg://fedlink:x@postgres:5432/fedlink"
+        settings = load_settings(environ=environment)
+        assert settings.tls_cert == secrets_dir / "server.pem" and not settings.insecure, name
+        assert settings.metrics_address == "0.0.0.0:9464" and settings.auto_migrate is False, name
+        # Several replicas share no disk: a model uploaded through one must be readable by the other.
+        assert settings.blobs_in_database is True, f"{name}: blobs are not in the database"
+        service = compose["services"][name]
+        assert settings.shutdown_grace.total_seconds() < _seconds(service["stop_grace_period"])
+        entrypoint = service["entrypoint"]
+        assert entrypoint == compose["services"]["migrate"]["entrypoint"]
+        assert "/run/secrets/postgres-password" in entrypoint[2] and entrypoint[2].rstrip().endswith('"$$@"')
+        # The migrate one-shot is the one place that migrates: every replica starts after it.
+        assert service["depends_on"]["migrate"] == {"condition": "service_completed_successfully"}
 
 
-def test_prometheus_scrapes_the_coordinators_metrics_port(compose: dict[str, Any], deploy_dir: Path) -> None:
+def test_replicas_share_everything_but_their_data_volume_and_host_port(
+    compose: dict[str, Any], repo_root: Path
+) -> None:
+    services = compose["services"]
+    assert len(COORDINATORS) >= 2 and all(name in services for name in COORDINATORS)
+    assert not [name for name in services if name.startswith("coordinator") and name not in COORDINATORS]
+    # The data directory is the image's (FEDLINK_DATA_DIR in the Dockerfile) unless a replica sets one.
+    (image_data_dir,) = re.findall(r"FEDLINK_DATA_DIR=(\S+)", stages(repo_root / "Dockerfile")["coordinator"])
+    shared = ("image", "entrypoint", "command", "environment", "secrets", "stop_grace_period", "depends_on")
+    first = services[COORDINATORS[0]]
+    data_volumes: list[str] = []
+    host_ports: list[str] = []
+    for name in COORDINATORS:
+        service = services[name]
+        for key in shared:
+            assert service.get(key) == first.get(key), f"{name}: {key} differs from {COORDINATORS[0]}'s"
+        data_dir = service["environment"].get("FEDLINK_DATA_DIR", image_data_dir)
+        mounts = {target: source for source, target, *_ in (m.split(":") for m in service["volumes"])}
+        assert data_dir in mounts, f"{name}: no volume at its data directory {data_dir}"
+        assert not mounts[data_dir].startswith("."), f"{name}: its data directory is a bind mount"
+        data_volumes.append(mounts[data_dir])
+        host_ports += [port.rsplit(":", 1)[0] for port in service.get("ports", [])]
+    # One coordinator per data directory: a second one on the same volume would refuse to start.
+    assert len(set(data_volumes)) == len(COORDINATORS), f"replicas share a data volume: {data_volumes}"
+    assert len(set(host_ports)) == len(host_ports), f"replicas publish the same host port: {host_ports}"
+    for secret in ("join-secret", "admin-token", "tls-cert", "tls-key"):
+        assert secret in first["secrets"]
+
+
+def test_every_client_lists_both_replicas(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    replicas = _replica_addresses(compose)
+    clients = {name: services[name]["environment"]["FEDLINK_SERVER"] for name in RUNNERS}
+    command = services["submit-digits"]["command"]
+    clients["submit-digits"] = command[command.index("--server") + 1]
+    for name, server in clients.items():
+        assert [a.text for a in parse_addresses(server)] == replicas, f"{name}: --server {server}"
+        # Started once every replica answers health: the first calls find whichever comes first.
+        for replica in COORDINATORS:
+            assert services[name]["depends_on"][replica] == {"condition": "service_healthy"}, name
+
+
+def _certificate_names(pem: Path) -> set[str]:
+    cert = x509.load_pem_x509_certificate(pem.read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return {str(name) for name in names.get_values_for_type(x509.DNSName)} | {
+        str(address) for address in names.get_values_for_type(x509.IPAddress)
+    }
+
+
+def test_the_certificate_both_replicas_present_names_every_address_clients_use(
+    compose: dict[str, Any], secrets_dir: Path
+) -> None:
+    names = _certificate_names(secrets_dir / "server.pem")
+    for address in parse_addresses(",".join(_replica_addresses(compose))):
+        assert address.host in names, f"server.pem does not name {address.host}: {sorted(names)}"
+    assert "127.0.0.1" in names  # each container's HEALTHCHECK, and the ports published on the host
+    files = {name: spec["file"] for name, spec in compose["secrets"].items()}
+    assert (files["tls-cert"], files["tls-key"]) == ("./secrets/server.pem", "./secrets/server.key")
+
+
+def test_make_secrets_issues_a_certificate_missing_a_replica_anew_from_the_same_ca(tmp_path: Path) -> None:
+    # A deploy/secrets/ made before coordinator-2 existed: its certificate names only the first replica.
+    make_secrets(tmp_path, ("coordinator", "localhost", "127.0.0.1"))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert "coordinator-2" not in _certificate_names(tmp_path / "server.pem")
+    written = make_secrets(tmp_path)
+    assert sorted(p.name for p in written) == ["server.key", "server.pem"]
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert after.keys() == before.keys(), "make_secrets left a file behind"
+    unchanged = sorted(name for name in after if not name.startswith("server."))
+    assert {n: after[n] for n in unchanged} == {n: before[n] for n in unchanged}, "the CA or a token changed"
+    assert {*COORDINATORS, "localhost", "127.0.0.1"} <= _certificate_names(tmp_path / "server.pem")
+    ca = x509.load_pem_x509_certificate(after["ca.pem"])
+    x509.load_pem_x509_certificate(after["server.pem"]).verify_directly_issued_by(ca)
+    assert (tmp_path / "server.key").stat().st_mode & 0o077 == 0
+    assert make_secrets(tmp_path) == []
+
+
+def test_prometheus_scrapes_every_replicas_metrics_port(compose: dict[str, Any], deploy_dir: Path) -> None:
     config = yaml.safe_load((deploy_dir / "prometheus.yml").read_text())
     targets = [t for job in config["scrape_configs"] for c in job["static_configs"] for t in c["targets"]]
-    port = compose["services"]["coordinator"]["environment"]["FEDLINK_METRICS_ADDRESS"].rsplit(":", 1)[1]
-    assert targets == [f"coordinator:{port}"]
+    services = compose["services"]
+    expected = [
+        f"{name}:{services[name]['environment']['FEDLINK_METRICS_ADDRESS'].rsplit(':', 1)[1]}"
+        for name in COORDINATORS
+    ]
+    assert targets == expected
+    assert set(COORDINATORS) <= set(services["prometheus"]["depends_on"])
 
 
 def test_grafana_provisions_the_dashboard_on_its_datasource(

@@ -2,7 +2,7 @@
 really exports. The coordinator is configured as compose configures it (its environment, TLS and
 secret files from deploy/make_secrets.py); the image's HEALTHCHECK command, as the Dockerfile writes
 it, passes against it (and fails once it stopped); it runs a one-round job with a stub device, and is
-then scraped."""
+then scraped. With several replicas scraped, the gauges read from the shared database are counted once."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from bench.orphans import tied
 from fedlink.server.app import Coordinator
 from fedlink.server.services.metrics import MetricsCollector
 from fedlink.server.settings import load_settings
+from fedlink.server.telemetry import Telemetry
 from fedlink.server.tls import load_channel_credentials
 from fedlink.v1 import control_service_pb2 as cpb
 from fedlink.v1 import control_service_pb2_grpc as cgrpc
@@ -39,6 +40,8 @@ from .conftest import service_environment
 
 #: PromQL words that are not metric or label names.
 _PROMQL_WORDS = {"sum", "max", "min", "count", "rate", "by", "histogram_quantile", "le"}
+#: PromQL's aggregation operators.
+_AGGREGATIONS = {"sum", "min", "max", "avg", "count", "group", "stddev", "stdvar", "quantile", "topk"}
 
 
 def _e2e_helpers(repo_root: Path) -> ModuleType:
@@ -162,6 +165,37 @@ def _check(query: str, samples: dict[str, list[dict[str, str]]]) -> list[str]:
     unknown = words - names - known - _PROMQL_WORDS
     problems += [f"unknown name {word}" for word in sorted(unknown)]
     return problems
+
+
+def _store_gauges() -> set[str]:
+    """The coordinator's gauges: each is read from the store (docs/operating.md), so every replica of one
+    database exports the same value. Counters, histograms and the build info are each process's own."""
+    return {metric.name for metric in Telemetry().registry.collect() if metric.type == "gauge"}
+
+
+def _double_counts(query: str, store_gauges: set[str]) -> list[str]:
+    """The store gauges ``query`` would count once per replica scraped (summed, counted: aggregated by
+    anything but max or min), or show as one series per replica (not aggregated at all)."""
+    named = sorted(set(re.findall(r"\bfedlink_\w+", query)) & store_gauges)
+    if not named:
+        return []
+    operators = set(re.findall(r"\b(\w+)\s*(?:by\s*\([^)]*\)\s*)?\(", query)) & _AGGREGATIONS
+    if not operators or not operators <= {"max", "min"}:
+        return [f"{query}: {', '.join(named)} read from the database: take max (not {sorted(operators)})"]
+    return []
+
+
+def test_the_dashboard_counts_each_database_gauge_once_however_many_replicas(deploy_dir: Path) -> None:
+    store_gauges = _store_gauges()
+    assert {"fedlink_devices", "fedlink_jobs", "fedlink_round"} <= store_gauges
+    queries = _queries(deploy_dir / "grafana/dashboards/fedlink.json")
+    problems = [problem for query in queries for problem in _double_counts(query, store_gauges)]
+    assert not problems, "\n".join(problems)
+    # The check itself: a sum over replicas, or no aggregation at all, is caught.
+    assert _double_counts('sum(fedlink_devices{state="ONLINE"})', store_gauges)
+    assert _double_counts("fedlink_jobs", store_gauges)
+    assert not _double_counts("max by (state) (fedlink_devices)", store_gauges)
+    assert not _double_counts("sum by (outcome) (rate(fedlink_results_total[5m]))", store_gauges)
 
 
 def test_the_check_finds_a_misspelt_metric_and_label() -> None:
