@@ -122,7 +122,9 @@ async def run_once(sizes: Sizes, workflow: str, workdir: Path, profile: Path | N
             num_updates_for_model=sizes.updates,
         )
         warm = sizes.selected
-    settings = coordinator_settings(workdir / tag, admin_token=token)
+    # A fresh data directory (and store) per run: devices enrolled by an earlier run would be sampled.
+    data_dir = Path(tempfile.mkdtemp(prefix=f"{tag}-", dir=workdir))
+    settings = coordinator_settings(data_dir, admin_token=token)
     async with (
         ServerProcess("bench.coordinator_process", settings, workdir, tag) as coord,
         control_channel(coord.info["address"]) as control,

@@ -98,3 +98,23 @@ async def test_the_data_dir_is_locked_whatever_the_database(tmp_path: Path, pg_d
                 pass
         async with Coordinator(local_settings(tmp_path / "replica", db_url=pg_database)) as replica:
             assert replica.endpoint is not None
+
+
+async def test_one_sqlite_file_serves_one_coordinator_whatever_their_data_dirs(tmp_path: Path) -> None:
+    database = tmp_path / "shared" / "fedlink.db"
+    database.parent.mkdir()
+    url = f"sqlite+aiosqlite:///{database}"
+    async with Coordinator(local_settings(tmp_path / "a", db_url=url)) as first:
+        assert first.endpoint is not None
+        with pytest.raises(DataDirInUse) as refused:
+            async with Coordinator(local_settings(tmp_path / "b", db_url=url)):
+                pass
+        message = refused.value.message
+        assert f"the SQLite database {database} is in use by another coordinator" in message
+        assert f"(pid {os.getpid()}, listening on {first.endpoint.address})" in message
+        assert "PostgreSQL" in message  # what to do instead
+        # The refused one let its own data directory go: it starts on another database.
+        async with Coordinator(local_settings(tmp_path / "b")) as other:
+            assert other.endpoint is not None
+    async with Coordinator(local_settings(tmp_path / "b", db_url=url)) as second:  # free once stopped
+        assert second.endpoint is not None

@@ -39,6 +39,7 @@ from fedlink.server.services.store_probe import StoreProbe
 from fedlink.server.services.supervisor import JobSupervisor
 from fedlink.server.services.tracking import JobTracker
 from fedlink.server.settings import CoordinatorSettings
+from fedlink.server.store.dialect import sqlite_file
 from fedlink.server.store.outages import StoreRetryPolicy, is_store_away
 from fedlink.server.store.sql import SqlStateStore, create_store
 from fedlink.server.telemetry import Telemetry
@@ -183,7 +184,9 @@ class CoordinatorCore:
         s = self.settings
         s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         # Before the store opens: a second process on this directory must not touch it at all.
-        self._lock = DataDirLock.acquire(s.data_dir, address=s.listen_address)
+        self._lock = DataDirLock.acquire(
+            s.data_dir, address=s.listen_address, sqlite_file=sqlite_file(s.db_url)
+        )
         store = await create_store(
             s.db_url,
             blob_dir=s.blob_dir,

@@ -8,7 +8,10 @@ and a PostgreSQL store would still share the first one's identity. Coordinators 
 PostgreSQL store each have their own data directory.
 
 The lock is a :class:`~fedlink.common.files.FileLock` on ``<data_dir>/coordinator.lock``, which records
-the holder's pid, host and address for the message another process gets.
+the holder's pid, host and address for the message another process gets. A SQLite store is one
+coordinator's too, wherever its file is: coordinators with data directories of their own that name one
+SQLite file would share its jobs without sharing their wake-ups, so its file gets a lock of the same
+kind beside it (``<file>.coordinator.lock``). Replicas share PostgreSQL, never SQLite.
 """
 
 from __future__ import annotations
@@ -33,17 +36,19 @@ class DataDirInUse(FailedPrecondition):
 class DataDirLock:
     """The held lock on a data directory; :meth:`release` (or the process's end) lets it go."""
 
-    def __init__(self, lock: FileLock) -> None:
+    def __init__(self, lock: FileLock, database: FileLock | None = None) -> None:
         self._lock = lock
+        self._database = database
         self.path = lock.path
 
     @classmethod
-    def acquire(cls, data_dir: Path, *, address: str) -> DataDirLock:
-        """Takes the lock without waiting and records this process (pid, host, ``address``) in it.
+    def acquire(cls, data_dir: Path, *, address: str, sqlite_file: Path | None = None) -> DataDirLock:
+        """Takes the lock without waiting and records this process (pid, host, ``address``) in it; with
+        ``sqlite_file``, the lock beside that database file too.
 
         Raises:
-            DataDirInUse: another process holds it; the message names that process.
-            FailedPrecondition: the lock file cannot be created or locked.
+            DataDirInUse: another process holds one of them; the message names that process.
+            FailedPrecondition: a lock file cannot be created or locked.
         """
         try:
             lock = FileLock.take(data_dir / LOCK_FILE, _record(address))
@@ -53,14 +58,34 @@ class DataDirLock:
                 f"({_describe_holder(held.record)}); stop it first, or give this one its own --data-dir "
                 "(two coordinators on one directory would both drive its jobs)"
             ) from None
-        return cls(lock)
+        if sqlite_file is None:
+            return cls(lock)
+        try:
+            database = FileLock.take(
+                sqlite_file.with_name(f"{sqlite_file.name}.coordinator.lock"), _record(address)
+            )
+        except LockHeld as held:
+            lock.release()
+            raise DataDirInUse(
+                f"the SQLite database {sqlite_file} is in use by another coordinator "
+                f"({_describe_holder(held.record)}); a SQLite store serves one coordinator: give this one "
+                "its own database, or run replicas on one PostgreSQL database (--db-url postgresql+asyncpg://...)"
+            ) from None
+        except BaseException:
+            lock.release()
+            raise
+        return cls(lock, database)
 
     def record(self, address: str) -> None:
-        """Rewrites the holder's record, e.g. once the server knows the port it was given."""
+        """Rewrites the holders' records, e.g. once the server knows the port it was given."""
         self._lock.record(_record(address))
+        if self._database is not None:
+            self._database.record(_record(address))
 
     def release(self) -> None:
-        """Releases the lock; safe to call twice."""
+        """Releases the locks; safe to call twice."""
+        if self._database is not None:
+            self._database.release()
         self._lock.release()
 
 

@@ -71,6 +71,15 @@ _TRANSACTION_STATUS = sa.text("SELECT pg_xact_status(CAST(:xid AS xid8))")
 _BUDGET: ContextVar[RetryBudget | None] = ContextVar("fedlink_store_retry_budget", default=None)
 
 
+def sqlite_file(url: str) -> Path | None:
+    """The file of a SQLite ``url`` (None: another database, in memory, or a ``file:`` URI)."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or is_memory_sqlite(url):
+        return None
+    database = parsed.database or ""
+    return None if database.startswith("file:") else Path(database)
+
+
 def is_memory_sqlite(url: str) -> bool:
     """Tell whether ``url`` names an in-memory SQLite database."""
     parsed = make_url(url)
