@@ -186,7 +186,8 @@ def _diff(index: int, elements: int) -> dxo_pb2.Dxo:
 
 
 async def _train_loop(device: Device, index: int, spec: LoadSpec, timings: Timings, acks: list[float]) -> str:
-    """GetTask → ReportResult → GetTask ... until DONE; returns how it ended."""
+    """GetTask → ReportResult → GetTask ... until DONE (a STALE report is counted in the timings, as a
+    runner would go on after it); returns how it ended."""
     job_id = await device.job_id(spec.job_name)
     cookie = b""
     diff: dxo_pb2.Dxo | None = None
@@ -210,6 +211,11 @@ async def _train_loop(device: Device, index: int, spec: LoadSpec, timings: Timin
         reply = await timings.call(
             "ReportResult", device.stub.ReportResult(request, metadata=device.metadata), _status
         )
+        if reply.status == rpb.RUNNER_STATUS_DONE:
+            return "DONE"
+        if reply.status == rpb.RUNNER_STATUS_STALE:  # FedBuff: its version fell out of the history
+            cookie = reply.cookie or cookie
+            continue
         if reply.status != _OK:
             return f"report {_status(reply)}"
         acks.append(time.perf_counter())

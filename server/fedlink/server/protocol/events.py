@@ -51,6 +51,7 @@ class JobEvents:
         replica are seen too.
         """
         cursor = after_sequence
+        final_seen = False
         while True:
             event = self._wakeups.get(job_id)
             if event is None:
@@ -63,10 +64,14 @@ class JobEvents:
                     JobState(json.loads(item.payload_json)["state"])
                 ):
                     return
-            if not batch:
-                job = await self._store.get_job(job_id)
-                if is_final(job.state):
+            if batch:
+                final_seen = False
+            else:
+                if final_seen:
                     return  # final without a stored state event (e.g. deleted history): nothing more
+                # The job's final state is written just before its event: one more look for the event
+                # (after its wake-up, or a poll), or a watcher could miss the job's end.
+                final_seen = is_final((await self._store.get_job(job_id)).state)
                 try:
                     async with asyncio.timeout(poll_seconds):
                         await event.wait()
