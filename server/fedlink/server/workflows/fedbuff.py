@@ -358,10 +358,13 @@ class _VersionEvent:
 class _Candidates:
     """The eligible devices as last read (sorted by id), sampled from without a walk of all of them.
 
-    A refill excludes the devices in the selection (and, without ``device_reuse``, or for ``balanced``
-    sampling's least-used tier, every device used so far): those are kept as sorted positions in the
-    list, so the ``i``-th device not excluded is found by a walk of the exclusions, and a sample of
-    ``k`` costs O(k + exclusions), not O(devices).
+    Devices are kept as positions in that sorted list: the devices used so far, those holding a task
+    now (busy), and the used ones not busy by how many tasks they had (tiers), each a sorted list kept
+    up to date as tasks are handed out and end. A refill excludes the busy devices (and, without
+    ``device_reuse``, or for ``balanced`` sampling's least-used tier, every device used so far): the
+    ``i``-th device not excluded is found by a walk of the exclusions, and ``balanced`` takes the rest
+    from the lowest tiers, so a sample of ``k`` costs O(k + exclusions), never O(devices). The lists
+    are rebuilt only when the eligible devices are read again (every few seconds).
     """
 
     def __init__(self) -> None:
@@ -369,33 +372,71 @@ class _Candidates:
         self.read_at = -math.inf
         #: Positions in ``devices`` of the devices used so far, sorted.
         self._used_at: list[int] = []
+        #: Positions of the devices holding a task, sorted; and how many tasks each holds (by id).
+        self._busy_at: list[int] = []
+        self._busy: Counter[str] = Counter()
+        #: Per use count (>= 1), the sorted positions of the devices used that often and not busy.
+        self._tiers: dict[int, list[int]] = {}
 
     def position(self, device: str) -> int | None:
         at = bisect.bisect_left(self.devices, device)
         return at if at < len(self.devices) and self.devices[at] == device else None
 
-    async def refresh(self, ctx: WorkflowContext, uses: Counter[str], *, max_age: float) -> None:
+    async def refresh(
+        self, ctx: WorkflowContext, uses: Counter[str], busy: Callable[[], Iterable[str]], *, max_age: float
+    ) -> None:
         """Reads the eligible devices again if the list is older than ``max_age`` seconds."""
         loop = asyncio.get_running_loop()
         if loop.time() - self.read_at < max_age:
             return
-        self.devices = await ctx.eligible_devices()
+        self.rebuild(await ctx.eligible_devices(), uses, busy())
         self.read_at = loop.time()
-        self._used_at = sorted(at for d in uses if (at := self.position(d)) is not None)
 
-    def note_used(self, device: str) -> None:
-        """``device`` got its first task of the run."""
+    def rebuild(self, devices: Sequence[str], uses: Counter[str], busy: Iterable[str]) -> None:
+        """Lists ``devices`` (sorted by id) with their ``uses`` so far and the ``busy`` ones."""
+        self.devices = list(devices)
+        self._busy = Counter(busy)
+        self._used_at = self.positions(d for d, n in uses.items() if n)
+        self._busy_at = self.positions(self._busy)
+        self._tiers = {}
+        for at in self._used_at:
+            device = self.devices[at]
+            if device not in self._busy:
+                self._tiers.setdefault(uses[device], []).append(at)  # in position order already
+
+    def taken(self, device: str, uses_before: int) -> None:
+        """``device`` was handed a task; it had ``uses_before`` tasks of the run before."""
+        self._busy[device] += 1
         at = self.position(device)
-        if at is not None:
+        if at is None:
+            return
+        if uses_before == 0:
             bisect.insort(self._used_at, at)
+        if self._busy[device] == 1:
+            bisect.insort(self._busy_at, at)
+            if uses_before:
+                _discard(self._tiers.get(uses_before, []), at)
+
+    def freed(self, device: str, uses: int) -> None:
+        """A task of ``device`` ended; it had ``uses`` tasks of the run."""
+        if self._busy[device] > 1:
+            self._busy[device] -= 1
+            return
+        self._busy.pop(device, None)
+        at = self.position(device)
+        if at is None:
+            return
+        _discard(self._busy_at, at)
+        if uses:
+            bisect.insort(self._tiers.setdefault(uses, []), at)
 
     def positions(self, devices: Iterable[str]) -> list[int]:
         """The sorted positions of those of ``devices`` that are listed."""
         return sorted(at for d in devices if (at := self.position(d)) is not None)
 
-    def usable(self, busy: set[str], *, reuse: bool) -> int:
+    def usable(self, *, reuse: bool) -> int:
         """How many listed devices a refill may pick (the selection's devices are used ones)."""
-        return len(self.devices) - (len(self.positions(busy)) if reuse else len(self._used_at))
+        return len(self.devices) - (len(self._busy_at) if reuse else len(self._used_at))
 
     def pick(self, excluded_at: Sequence[int], k: int, rng: np.random.Generator) -> list[str]:
         """``k`` listed devices not at ``excluded_at`` (sorted positions), uniformly, in id order."""
@@ -409,27 +450,33 @@ class _Candidates:
             picked.append(self.devices[i + skip])
         return picked
 
-    def sample(
-        self,
-        k: int,
-        busy: set[str],
-        uses: Counter[str],
-        *,
-        balanced: bool,
-        reuse: bool,
-        rng: np.random.Generator,
-    ) -> list[str]:
+    def sample(self, k: int, *, balanced: bool, reuse: bool, rng: np.random.Generator) -> list[str]:
         """``k`` devices for a refill (see :meth:`FedBuff._sample`)."""
         if not balanced:
-            return self.pick(self.positions(busy) if reuse else self._used_at, k, rng)
-        unused = self.pick(self._used_at, k, rng)  # the least used tier: devices with no task yet
-        if len(unused) >= k or not reuse:
-            return unused
-        # Every unused device is taken: the rest by fewest uses, random ties (walks the used ones only).
-        used = [d for d in uses if d not in busy and self.position(d) is not None]
-        ties = rng.random(len(used))
-        order = sorted(range(len(used)), key=lambda i: (uses[used[i]], ties[i]))[: k - len(unused)]
-        return sorted(unused + [used[i] for i in order])
+            return self.pick(self._busy_at if reuse else self._used_at, k, rng)
+        picked = self.pick(self._used_at, k, rng)  # the least used tier: devices with no task yet
+        if len(picked) >= k or not reuse:
+            return picked
+        # Every unused device is taken: the rest from the fewest uses up, uniformly within a tier.
+        for count in sorted(self._tiers):
+            tier = self._tiers[count]
+            need = k - len(picked)
+            if need >= len(tier):
+                picked += (self.devices[at] for at in tier)
+            else:
+                picked += (
+                    self.devices[tier[int(i)]] for i in sorted(rng.choice(len(tier), need, replace=False))
+                )
+            if len(picked) >= k:
+                break
+        return sorted(picked)
+
+
+def _discard(positions: list[int], at: int) -> None:
+    """Removes ``at`` from the sorted ``positions`` if it is there."""
+    i = bisect.bisect_left(positions, at)
+    if i < len(positions) and positions[i] == at:
+        del positions[i]
 
 
 class FedBuff:
@@ -816,7 +863,7 @@ class FedBuff:
         """
         candidates = self._candidates
         if not candidates.devices:
-            await candidates.refresh(ctx, self._uses, max_age=_ELIGIBLE_MAX_AGE_S)
+            await candidates.refresh(ctx, self._uses, self._busy, max_age=_ELIGIBLE_MAX_AGE_S)
         busy = {s.device for s in self._slots.values()} | {s.device for s in self._evaluating()}
         excluded = candidates.positions(busy)
         k = min(self.params.eval_devices, len(candidates.devices) - len(excluded))
@@ -947,6 +994,11 @@ class FedBuff:
     def _free(self, slot: _Slot) -> None:
         if self._slots.pop(slot.task.task_id, None) is not None:
             self._done.append(slot.task.task_id)
+            self._candidates.freed(slot.device, self._uses[slot.device])
+
+    def _busy(self) -> list[str]:
+        """The devices holding a task of the selection."""
+        return [s.device for s in self._slots.values()]
 
     async def _refill(self, ctx: WorkflowContext) -> None:
         """Hands the current model to sampled devices once ``min_hole_to_fill`` slots are free.
@@ -958,20 +1010,19 @@ class FedBuff:
         holes = params.device_selection_size - len(self._slots)
         if holes < params.min_hole_to_fill:
             return
-        busy = {s.device for s in self._slots.values()}
         candidates = self._candidates
-        await candidates.refresh(ctx, self._uses, max_age=_ELIGIBLE_MAX_AGE_S)
-        usable = candidates.usable(busy, reuse=params.device_reuse)
+        await candidates.refresh(ctx, self._uses, self._busy, max_age=_ELIGIBLE_MAX_AGE_S)
+        usable = candidates.usable(reuse=params.device_reuse)
         if usable < holes:  # devices may have come since the list was read
-            await candidates.refresh(ctx, self._uses, max_age=_ELIGIBLE_SHORT_AGE_S)
-            usable = candidates.usable(busy, reuse=params.device_reuse)
+            await candidates.refresh(ctx, self._uses, self._busy, max_age=_ELIGIBLE_SHORT_AGE_S)
+            usable = candidates.usable(reuse=params.device_reuse)
         self._usable = usable
         if usable < holes:
             if self._short_since is None:
                 self._short_since = ctx.clock.now()
             if self._counters.handed_out == 0 or not usable:
                 return
-        chosen = self._sample(busy, min(holes, usable))
+        chosen = self._sample(min(holes, usable))
         tasks = await ctx.hand_out(
             TRAIN_TASK,
             self._model_sha,
@@ -982,28 +1033,25 @@ class FedBuff:
         )
         for task, device in zip(tasks, chosen, strict=True):
             self._slots[task.task_id] = _Slot(task, device)
-            if not self._uses[device]:
-                candidates.note_used(device)
+            candidates.taken(device, self._uses[device])
             self._uses[device] += 1
         self._on_version += len(tasks)
         self._counters.handed_out += len(tasks)
         if len(self._slots) >= params.device_selection_size:
             self._short_since = None
 
-    def _sample(self, busy: set[str], k: int) -> list[str]:
+    def _sample(self, k: int) -> list[str]:
         """``k`` eligible devices outside the selection, seeded by (seed, version + 1, tasks handed out
         on this version), in id order.
 
         ``random`` picks uniformly (without ``device_reuse``, among the devices never used);
         ``balanced`` takes the least used devices first, uniformly among equals. Either costs
-        O(k + devices used so far), not O(eligible devices) (see :class:`_Candidates`).
+        O(k + the selection's size), never O(eligible devices) (see :class:`_Candidates`).
         """
         version, wave = self._version + 1, self._on_version
         rng = np.random.default_rng([self.params.seed & 0xFFFFFFFF, version, wave])
         return self._candidates.sample(
             k,
-            busy,
-            self._uses,
             balanced=self.params.device_sampling_strategy == "balanced",
             reuse=self.params.device_reuse,
             rng=rng,
