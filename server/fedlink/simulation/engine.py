@@ -71,8 +71,12 @@ log = logging.getLogger(__name__)
 #: The component type an ``Executor`` given as ``runner=`` is registered under.
 EXECUTOR_TYPE = "SimulationExecutor"
 #: Idle devices hold one long poll this long; every real wake-up comes from a notification, so a long
-#: wait costs nothing and keeps 10,000 idle devices from re-polling the store.
-_TASK_WAIT = timedelta(seconds=30)
+#: wait costs nothing and keeps 10,000 idle devices from re-polling the store. Longer than any round:
+#: a device whose poll ended (RETRY, then its runner's pause) when the next round's tasks came claimed
+#: behind every device woken at once; at 100,000 devices its result then came ~40,000th, and the
+#: round's fold, which takes results in device order, held its budget's worth and sent the other
+#: ~90,000 through the store (rounds 2 and 3 twice as long as round 1).
+_TASK_WAIT = timedelta(hours=1)
 #: How long stopped Runners get to wind down (release their task) before they are cancelled.
 _STOP_WAIT_S = 10.0
 _TICK_S = 0.25
