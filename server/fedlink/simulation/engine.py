@@ -465,6 +465,10 @@ async def _run(
         try:
             async with asyncio.timeout(None if math.isinf(plan.timeout_s) else plan.timeout_s):
                 rounds = await _follow(core, job_id, plan.sinks)
+            # The job is over: every device told DONE would ask for another job (100,000 GetJob calls
+            # that held the result's reads back by seconds). Stopped now, its calls end; they are
+            # cancelled only after the result is read (_stop).
+            _tell_stop(runners)
         except TimeoutError:
             await core.control_protocol.abort_job(job_id, "simulation timed out")
             raise SimulationError(
@@ -550,10 +554,14 @@ async def _tick(sinks: Sequence[ProgressSink], counts: LiveCounts) -> None:
         await asyncio.sleep(_TICK_S)
 
 
-async def _stop(runners: Sequence[Runner], tasks: Sequence[asyncio.Task[None]]) -> None:
-    """Stops every Runner (a task in progress is aborted and released), then cancels what is left."""
+def _tell_stop(runners: Sequence[Runner]) -> None:
     for runner in runners:
         runner.stop(grace=0.0, reason="simulation over")  # the job is over: a late result would be stale
+
+
+async def _stop(runners: Sequence[Runner], tasks: Sequence[asyncio.Task[None]]) -> None:
+    """Stops every Runner (a task in progress is aborted and released), then cancels what is left."""
+    _tell_stop(runners)
     done, pending = await asyncio.wait(tasks, timeout=_STOP_WAIT_S) if tasks else (set(), set())
     for task in pending:
         task.cancel()

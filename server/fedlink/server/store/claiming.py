@@ -318,7 +318,7 @@ def _claim_chunk(
     wanted = set(pairs)
     ids = statements.batch_params(pairs, now)
     served: dict[Pair, Assignment | None] = {}
-    for row in conn.execute(statements.held_many, ids):
+    for row in conn.execute(statements.held_many, ids).all():
         pair = (row.device_id, row.job_id)
         if pair in wanted and pair not in served:  # the oldest lease, as a single re-delivery check
             served[pair] = rows.assignment(row)
@@ -328,7 +328,7 @@ def _claim_chunk(
     expires = now + lease
     picks: dict[str, Pair] = {}
     new_rows: list[dict[str, Any]] = []
-    for device_id, task_id, job_id, slot in conn.execute(statements.targeted_many, ids):
+    for device_id, task_id, job_id, slot in conn.execute(statements.targeted_many, ids).all():
         pair = (device_id, job_id)
         if pair in wanted and pair not in served:
             assignment_id = new_id()

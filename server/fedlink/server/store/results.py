@@ -305,7 +305,7 @@ def _judge(
     ids = sorted({r.assignment_id for r in reports})
     for start in range(0, len(ids), _CHUNK):
         chunk = {"assignment_ids": ids[start : start + _CHUNK]}
-        found.update((r.a_assignment_id, r) for r in conn.execute(statements.judged_many, chunk))
+        found.update((r.a_assignment_id, r) for r in conn.execute(statements.judged_many, chunk).all())
     plans: dict[str, _Plan] = {}
     again: list[int] = []
     for index, report in enumerate(reports):
@@ -343,7 +343,7 @@ def _write(
         moved: set[str] = set()
         for start in range(0, len(moving), _CHUNK):
             params = {"assignment_ids": moving[start : start + _CHUNK], "target": target.value}
-            moved.update(conn.execute(statements.move_many, params).scalars())
+            moved.update(conn.execute(statements.move_many, params).scalars().all())
         # Another report or the lease reaper got there first (the rows are locked as they are judged,
         # so this is a guard only): those are judged again.
         lost.update(a for a in moving if a not in moved)
