@@ -20,16 +20,22 @@ FedBuff (this tree only): ``--fedbuff-devices`` devices, a selection of ``--fedb
 took (the first one includes starting the devices), and the run's peak RSS (the subprocess's VmHWM and
 its process tree's, sampled every 100 ms as ``bench/simulation_bench.py`` does).
 
+Then FedBuff's CPU against FedAvg's on a real coordinator process (``bench/fedbuff_bench.py``, one
+repeat per ``--cpu-devices`` size by default): coordinator CPU per accepted update, and model versions
+per second, at 1,000 and 10,000 devices.
+
 Targets: the time per device-round at every size within 1.5x of the smallest size's, and at most a
 third of the baseline's (at each size the baseline finished; ``--target-ms``, default 1.3 / 3 ms, is
 the absolute bound of issue 16, judged too); FedBuff's peak RSS under 2 GB and its last version's time
-within 1.5x of its second's (the first includes the devices' start). The run exits 1 if a run failed
+within 1.5x of its second's (the first includes the devices' start); FedBuff's CPU per update at most 1.2 x FedAvg's
+per result. The run exits 1 if a run failed
 or a model was wrong.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
@@ -45,7 +51,6 @@ from typing import Any
 import numpy as np
 
 from bench.orphans import tied
-from bench.report import num, targets_line
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_MARKER = "FEDLINK_SCALE_RESULT "
@@ -223,6 +228,8 @@ def targets(
 
 def format_table(current: Sequence[dict[str, Any]], baseline: Sequence[dict[str, Any]]) -> str:
     """FedAvg, both trees, one line per size."""
+    from bench.report import num  # the parent's only: a child runs on the baseline's bench package
+
     header = (
         f"{'devices':>8} | {'now ms/dr':>9} {'rounds ms':>9} {'wall s':>7} {'RSS MB':>7} | "
         f"{'base ms/dr':>10} {'wall s':>7} {'RSS MB':>7} | {'base/now':>8}"
@@ -288,10 +295,15 @@ def _child(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs FedAvg at every size on both trees, then FedBuff; prints the table and the targets."""
+    """Runs FedAvg at every size on both trees, then FedBuff, then FedBuff's CPU against FedAvg's on
+    a real coordinator; prints the table and the targets."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--child"]:
         return _child(argv[1:])
+    # The parent's only: a child runs on the baseline's bench package, which may have neither.
+    from bench import fedbuff_bench
+    from bench.report import num, targets_line
+
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -307,17 +319,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--fedbuff-selection", type=int, default=1000)
     parser.add_argument("--fedbuff-updates", type=int, default=100)
     parser.add_argument("--target-ms", type=float, default=TODAY_MS / SPEEDUP_TARGET)
+    parser.add_argument(
+        "--cpu-devices",
+        type=lambda text: _sizes(text) if text else [],
+        default=[1000, 10_000],
+        help="fleet sizes of bench/fedbuff_bench.py's CPU comparison ('' skips it)",
+    )
+    parser.add_argument("--cpu-repeats", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     args = parser.parse_args(argv)
     report: dict[str, Any] = {"config": {**vars(args), "json": str(args.json), "cpus": os.cpu_count()}}
     current: list[dict[str, Any]] = []
     baseline: list[dict[str, Any]] = []
     fedbuff: dict[str, Any] | None = None
+    cpu: dict[str, Any] | None = None
 
     def save() -> None:
-        report.update(fedavg=current, baseline=baseline, fedbuff=fedbuff)
-        report["targets"] = targets(current, baseline, fedbuff, args.target_ms)
-        report["ok"] = all(r.get("ok") for r in current) and (fedbuff is None or bool(fedbuff.get("ok")))
+        report.update(fedavg=current, baseline=baseline, fedbuff=fedbuff, cpu=cpu)
+        report["targets"] = targets(current, baseline, fedbuff, args.target_ms) | (cpu or {}).get(
+            "targets", {}
+        )
+        report["ok"] = (
+            all(r.get("ok") for r in current)
+            and (fedbuff is None or bool(fedbuff.get("ok")))
+            and (cpu is None or not cpu["checks_failed"])
+        )
         if args.json is not None:
             args.json.write_text(json.dumps(report, indent=2) + "\n")
 
@@ -347,6 +373,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
         fedbuff = measure(ROOT, child, args.timeout) | {"devices": args.fedbuff_devices}
         print("fedbuff", json.dumps(fedbuff), flush=True)
+    if args.cpu_devices:
+        sizes = [
+            fedbuff_bench.Sizes(d, args.rounds, args.fedbuff_selection, args.fedbuff_updates)
+            for d in args.cpu_devices
+        ]
+        with tempfile.TemporaryDirectory(prefix="fedlink-scale-cpu-") as folder:
+            cpu = asyncio.run(fedbuff_bench.measure(sizes, args.cpu_repeats, Path(folder)))
     save()
     print()
     print(f"FedAvg, {args.floats} float32 x {args.rounds} rounds; baseline {args.baseline}")
@@ -363,6 +396,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"last {num(steps[-1] if steps else None, '.2f')}"
             + ("" if fedbuff.get("ok") else f"; FAILED: {fedbuff.get('error')}")
         )
+    if cpu is not None:
+        print("\nCoordinator CPU per accepted update, FedBuff against FedAvg (bench/fedbuff_bench.py):")
+        print(fedbuff_bench.summary(cpu).rsplit("\ntargets:", 1)[0])
     print(targets_line(report["targets"]))
     print("runs:", "all passed" if report["ok"] else "FAILED")
     return 0 if report["ok"] else 1
