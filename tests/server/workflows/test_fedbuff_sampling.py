@@ -8,16 +8,16 @@ from collections import Counter
 
 import numpy as np
 
+from fedlink.server.workflows.device_pool import DevicePool
 from fedlink.server.workflows.fedavg import sample_devices
-from fedlink.server.workflows.fedbuff import _Candidates
 
 
 def _name(i: int) -> str:
     return f"d{i:05d}"
 
 
-def _listed(count: int, uses: Counter[str] | None = None, busy: set[str] | None = None) -> _Candidates:
-    candidates = _Candidates()
+def _listed(count: int, uses: Counter[str] | None = None, busy: set[str] | None = None) -> DevicePool:
+    candidates = DevicePool()
     candidates.rebuild([_name(i) for i in range(count)], uses or Counter(), busy or set())
     return candidates
 
