@@ -224,12 +224,11 @@ class ControlProtocol:
         if is_final(job.state):
             raise FailedPrecondition(f"job {job_id} is {job.state.value}; only pending or running jobs abort")
         message = reason or "aborted by an operator"
-        job = await self._store.set_job_state(job_id, JobState.ABORTED, message)
+        await self._events.set_state(job_id, JobState.ABORTED, message)
         await self._store.cancel_job_tasks(job_id)
         run = await self._current_run(job_id)
         if run is not None and run.state is RunState.RUNNING:
             await self._store.finish_run(run.run_id, RunState.ABORTED, message)
-        await self._events.state_changed(job, JobState.ABORTED, message)
         self._on_job_change(job_id)
         self._notifier.notify(job_id)  # long-polling devices learn at once that the job is over
         return await self.describe_job(job_id)

@@ -7,7 +7,7 @@ import json
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-from fedlink.server.domain import Job, JobEvent, JobState, is_final
+from fedlink.server.domain import Job, JobEvent, JobState, RunFence, is_final
 from fedlink.server.store import StateStore
 
 #: The event that reports a job's state change; its payload has "state" and "message".
@@ -28,13 +28,26 @@ class JobEvents:
         """Records an event of ``job`` and wakes its watchers."""
         body = {"round": round, **payload}
         await self._store.append_job_event(job.job_id, kind, json.dumps(body, sort_keys=True))
+        self._told(job, kind, round, payload)
+
+    def _told(self, job: Job, kind: str, round: int, payload: Mapping[str, Any]) -> None:
+        """An event of ``job`` is stored: wakes its watchers and tells the listeners."""
         self.wake(job.job_id)
         for listener in self.listeners:
             listener(job, kind, round, payload)
 
-    async def state_changed(self, job: Job, state: JobState, message: str = "") -> None:
-        """Records that ``job`` moved to ``state``."""
-        await self.emit(job, JOB_STATE_CHANGED, 0, {"state": state.value, "message": message})
+    async def set_state(
+        self, job_id: str, state: JobState, message: str = "", *, fence: RunFence | None = None
+    ) -> Job:
+        """Moves the job to ``state`` and records its ``job_state_changed`` event in the same write (a
+        watcher that sees a final job finds its final event), then wakes its watchers."""
+        payload = {"state": state.value, "message": message}
+        body = json.dumps({"round": 0, **payload}, sort_keys=True)
+        job = await self._store.set_job_state(
+            job_id, state, message, fence=fence, event=(JOB_STATE_CHANGED, body)
+        )
+        self._told(job, JOB_STATE_CHANGED, 0, payload)
+        return job
 
     def wake(self, job_id: str) -> None:
         """Wakes the watchers of ``job_id``."""

@@ -217,8 +217,7 @@ class JobSupervisor:
         renewer = asyncio.create_task(self._renew(fence, driver), name=f"run-lease-{run.run_id}")
         try:
             if job.state is JobState.PENDING:
-                job = await self._store.set_job_state(job.job_id, JobState.RUNNING, fence=fence)
-                await self._events.state_changed(job, JobState.RUNNING)
+                job = await self._events.set_state(job.job_id, JobState.RUNNING, fence=fence)
             try:
                 workflow = self._workflows.build(job.workflow)
             except ValueError as exc:  # a spec_json that is not a workflow spec at all
@@ -293,12 +292,11 @@ class JobSupervisor:
         try:
             await self._store.cancel_job_tasks(job.job_id, fence=fence)
             # The job before the run: a final job is not scanned, so no replica takes up its ended run.
-            job = await self._store.set_job_state(job.job_id, state, message, fence=fence)
+            job = await self._events.set_state(job.job_id, state, message, fence=fence)
             if run is not None:
                 await self._store.finish_run(run.run_id, run_state, message, fence=fence)
         except IllegalTransition:
             return  # ended meanwhile by someone else (an operator, a corrupted blob's discovery)
-        await self._events.state_changed(job, state, message)
 
     def _wake_at(self, moment: datetime | None) -> None:
         """Has the jobs scanned at ``moment`` (soon after it, on this coordinator's clock)."""

@@ -95,14 +95,29 @@ class JobQueries(StoreCore):
         return Page(items=items, next_page_token=token)
 
     async def set_job_state(
-        self, job_id: str, target: JobState, message: str = "", *, fence: RunFence | None = None
+        self,
+        job_id: str,
+        target: JobState,
+        message: str = "",
+        *,
+        fence: RunFence | None = None,
+        event: tuple[str, str] | None = None,
     ) -> Job:
         """Move a job to ``target``; IllegalTransition if its state machine has no such edge.
 
-        With a ``fence``, only while it holds its run (else RunLeaseLost), checked in the same transaction.
+        With a ``fence``, only while it holds its run (else RunLeaseLost), checked in the same transaction;
+        with an ``event`` (kind, payload JSON), that event is appended in the same transaction too.
         """
 
         async def work(conn: AsyncConnection) -> Job:
+            job = await move(conn)
+            if event is not None:
+                now = job.updated_at
+                kind, payload_json = event
+                await conn.run_sync(lambda sync: append_job_events(sync, [(job_id, kind, payload_json)], now))
+            return job
+
+        async def move(conn: AsyncConnection) -> Job:
             await check_fence_async(conn, fence)
             where = jobs.c.job_id == job_id
             row = await self._fetch_one(conn, sa.select(jobs).where(where), f"job {job_id}")
@@ -117,7 +132,7 @@ class JobQueries(StoreCore):
             ).first()
             if updated is None:
                 # Someone else moved it between our read and our write: judge again against theirs.
-                return await work(conn)
+                return await move(conn)
             return rows.job(updated)
 
         return await self._db.write(work)

@@ -416,10 +416,18 @@ class StateStore(Protocol):
         ...
 
     async def set_job_state(
-        self, job_id: str, target: JobState, message: str = "", *, fence: RunFence | None = None
+        self,
+        job_id: str,
+        target: JobState,
+        message: str = "",
+        *,
+        fence: RunFence | None = None,
+        event: tuple[str, str] | None = None,
     ) -> Job:
         """Move a job to ``target``; IllegalTransition if its state machine has no such edge (with a
-        ``fence``: RunLeaseLost unless it still holds the job's run)."""
+        ``fence``: RunLeaseLost unless it still holds the job's run). With an ``event`` (kind, payload
+        JSON), that event is appended in the same transaction: a watcher never sees the one without
+        the other."""
         ...
 
     async def delete_job(self, job_id: str) -> int:
