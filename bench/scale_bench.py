@@ -27,9 +27,8 @@ per second, at 1,000 and 10,000 devices.
 Targets: the time per device-round at every size within 1.5x of the smallest size's, and at most a
 third of the baseline's (at each size the baseline finished; ``--target-ms``, default 1.3 / 3 ms, is
 the absolute bound of issue 16, judged too); FedBuff's peak RSS under 2 GB and its last version's time
-within 1.5x of its second's (the first includes the devices' start); FedBuff's CPU per update at most 1.2 x FedAvg's
-per result. The run exits 1 if a run failed
-or a model was wrong.
+within 1.5x of its second's (the first includes the devices' start); FedBuff's CPU per update at most
+1.2 x FedAvg's per result. The run exits 1 if a run failed or a model was wrong.
 """
 
 from __future__ import annotations
