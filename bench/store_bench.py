@@ -206,7 +206,7 @@ async def prepare(url: str, config: Config) -> tuple[str, str]:
     try:
         job = await store.create_job(NewJob(name="bench", spec_json="{}", job_data="{}"))
         await store.set_job_state(job.job_id, JobState.RUNNING)
-        run = await store.create_run(job.job_id, owner="bench", now=datetime.now(UTC), lease=LEASE)
+        run = await store.acquire_job_run(job.job_id, owner="bench", now=datetime.now(UTC), lease=LEASE)
         for device in device_ids(config):
             await store.enroll_device(
                 {"name": device}, {}, uuid.uuid4().hex + uuid.uuid4().hex, device_id=device

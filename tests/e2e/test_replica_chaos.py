@@ -204,6 +204,8 @@ def cluster_of(tmp_path: Path, pg_database: str) -> Iterator[Callable[[int], Clu
     finally:
         for cluster in made:
             cluster.close()
+            for i, replica in enumerate(cluster.replicas):  # shown by pytest when the test failed
+                print(f"---- replica {i} ----\n{replica.output()}")
 
 
 # -- SIGKILL of the driver, five times, with real runners --------------------------------------------
@@ -381,7 +383,7 @@ def test_a_driver_stopped_past_its_lease_is_fenced_off_when_it_wakes(
     cluster = cluster_of(2)
     initial = initial_model()
     devices = [Device(i) for i in range(3)]
-    job_id = submit(cluster.replicas[0], initial, rounds=3)
+    job_id = submit(cluster.replicas[0], initial, rounds=3, devices=len(devices))
     driver = cluster.driver(job_id)
     other = 1 - driver
     on_other = cluster.addresses[other]
@@ -449,7 +451,7 @@ def test_a_replica_whose_connections_are_terminated_reconnects_and_loses_nothing
     cluster = cluster_of(2)
     initial = initial_model()
     devices = [Device(i) for i in range(3)]
-    job_id = submit(cluster.replicas[0], initial, rounds=3)
+    job_id = submit(cluster.replicas[0], initial, rounds=3, devices=len(devices))
     driver = cluster.driver(job_id)
     address = cluster.addresses[driver]
     name = f"{Cluster.application_name(driver)}%"

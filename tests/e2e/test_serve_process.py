@@ -238,7 +238,10 @@ def submit(
     *,
     fedadam: bool = False,
     request_id: str = "submit-1",
+    devices: int = 0,
 ) -> str:
+    """Submits a job of ``rounds`` rounds; with ``devices``, each round waits for that many devices
+    and their results (without, a round starts with the devices enrolled by then)."""
     control = cgrpc.ControlServiceStub(grpc.insecure_channel(serve.address))
     data = weights_dxo(initial).SerializeToString(deterministic=True)
     sha = hashlib.sha256(data).hexdigest()
@@ -249,6 +252,7 @@ def submit(
     rounds_config = spec.fedadam.rounds if fedadam else spec.fedavg
     rounds_config.num_rounds = rounds
     rounds_config.round_timeout.FromSeconds(600)  # rounds close on their results; a bound, not a wait
+    rounds_config.devices_per_round = rounds_config.min_results = devices
     if fedadam:
         spec.fedadam.server_learning_rate = 0.3
     job: str = control.SubmitJob(

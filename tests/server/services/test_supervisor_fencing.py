@@ -240,7 +240,7 @@ async def test_a_dead_drivers_run_is_taken_over_as_its_lease_lapses_not_a_scan_l
     async with replica(db_url, "coordinator-a", ManualClock(T0), LONG_LEASE) as a:
         job_id = await submit(a.store)
         # Coordinator A took the run a moment ago and died: its lease runs out in a second.
-        run = await a.store.create_run(job_id, owner="coordinator-a", now=clock.now(), lease=lease)
+        run = await a.store.acquire_job_run(job_id, owner="coordinator-a", now=clock.now(), lease=lease)
     # B's scans are 30 s apart: no periodic scan could take the run over within the test's bound.
     async with replica(db_url, "coordinator-b", clock, lease, scan_seconds=30.0) as b:
         loop = asyncio.create_task(b.supervisor.loop().run(LoopPolicy()))

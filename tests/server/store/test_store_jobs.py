@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 
 import pytest
 
 from fedlink.common.errors import FailedPrecondition, IllegalTransition, InvalidArgument, NotFound
-from fedlink.server.domain import Job, JobState, ManualClock, ResultStatus, RunLeaseHeld, RunState
+from fedlink.server.domain import Job, JobState, ManualClock, ResultStatus, Run, RunLeaseHeld, RunState
 from fedlink.server.store import NewJob, ResultReport, SqlStateStore
 from fedlink.server.store.testing import World
 
@@ -63,6 +64,29 @@ async def test_list_jobs_pages_newest_first(store: SqlStateStore, clock: ManualC
         await store.list_jobs(page_token="not-a-token")
 
 
+async def test_coordinators_asking_for_a_job_at_once_make_one_run(
+    store: SqlStateStore, clock: ManualClock
+) -> None:
+    job = await store.create_job(new_job("a"))
+    lease = timedelta(seconds=30)
+    asks = [store.acquire_job_run(job.job_id, owner=f"c-{i}", now=clock.now(), lease=lease) for i in range(8)]
+    outcomes = await asyncio.gather(*asks, return_exceptions=True)
+    won = [o for o in outcomes if isinstance(o, Run)]
+    held = [o for o in outcomes if isinstance(o, RunLeaseHeld)]
+    assert len(won) == 1 and len(held) == 7, outcomes
+    run = won[0]
+    assert {h.run_id for h in held} == {run.run_id} and {h.owner for h in held} == {run.owner}
+    assert (await store.get_current_run(job.job_id)).run_id == run.run_id
+    # Its owner asking again renews the same run; another takes it over only once the lease lapsed.
+    renewed = await store.acquire_job_run(job.job_id, owner=run.owner or "", now=clock.now(), lease=lease)
+    assert (renewed.run_id, renewed.lease_epoch) == (run.run_id, run.lease_epoch)
+    later = clock.advance(lease)
+    taken = await store.acquire_job_run(job.job_id, owner="c-late", now=later, lease=lease)
+    assert (taken.run_id, taken.owner, taken.lease_epoch) == (run.run_id, "c-late", run.lease_epoch + 1)
+    with pytest.raises(NotFound):
+        await store.acquire_job_run("0" * 32, owner="c-0", now=later, lease=lease)
+
+
 async def test_run_lease_belongs_to_one_owner(world: World) -> None:
     store, clock, run = world.store, world.clock, world.run
     lease = timedelta(seconds=30)
@@ -114,7 +138,7 @@ async def test_delete_job_frees_its_blobs_only(world: World) -> None:
     other = await store.create_job(
         NewJob(name="y", spec_json="{}", job_data="{}", initial_model_sha256=shared.sha256)
     )
-    run = await store.create_run(job.job_id, owner="c", now=clock.now(), lease=timedelta(seconds=5))
+    run = await store.acquire_job_run(job.job_id, owner="c", now=clock.now(), lease=timedelta(seconds=5))
     scenario = World(store=store, clock=clock, job=job, run=run, devices=world.devices)
     await scenario.tasks(1, payload_sha256=own_payload.sha256)
     held = await store.claim_task(world.devices[0].device_id, job.job_id, clock.now(), timedelta(seconds=5))

@@ -82,7 +82,8 @@ class FedBuffWorld:
         job = await store.create_job(
             NewJob(name="buffered", spec_json=spec.to_json(), job_data="{}", initial_model_sha256=sha)
         )
-        run = await store.create_run(job.job_id, owner="test", now=clock.now(), lease=timedelta(minutes=5))
+        lease = timedelta(minutes=5)
+        run = await store.acquire_job_run(job.job_id, owner="test", now=clock.now(), lease=lease)
         return cls(
             store=store, clock=clock, params=params, job_id=job.job_id, run_id=run.run_id, devices=enrolled
         )

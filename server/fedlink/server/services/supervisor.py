@@ -307,13 +307,8 @@ class JobSupervisor:
             asyncio.get_running_loop().call_later(max(delay, 0.0), self._wake.set)
 
     async def _acquire_run(self, job: Job) -> Run:
-        now = self._clock.now()
-        try:
-            run = await self._store.get_current_run(job.job_id)
-        except NotFound:
-            return await self._store.create_run(job.job_id, owner=self._owner, now=now, lease=self._run_lease)
-        return await self._store.acquire_run_lease(
-            run.run_id, owner=self._owner, now=now, lease=self._run_lease
+        return await self._store.acquire_job_run(
+            job.job_id, owner=self._owner, now=self._clock.now(), lease=self._run_lease
         )
 
     async def _renew(self, fence: RunFence, driver: asyncio.Task[None]) -> None:

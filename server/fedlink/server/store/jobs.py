@@ -155,8 +155,11 @@ class JobQueries(StoreCore):
         return await self._blob_store.delete_if_unreferenced(candidates)
 
     # ---- runs ----
-    async def create_run(self, job_id: str, *, owner: str, now: datetime, lease: timedelta) -> Run:
-        """Start a run of a job, driven by ``owner`` under a lease."""
+    async def acquire_job_run(self, job_id: str, *, owner: str, now: datetime, lease: timedelta) -> Run:
+        """The run that drives the job, with ``owner`` holding its lease: created by the first
+        coordinator to ask (two asking at once make one run, not two), renewed for its owner, taken
+        over once its lease lapsed (the ``lease_epoch`` goes up: the old owner's fenced writes fail),
+        and RunLeaseHeld while another owner's lease holds."""
         values = {
             "run_id": new_id(),
             "job_id": job_id,
@@ -171,12 +174,25 @@ class JobQueries(StoreCore):
             "updated_at": now,
             "lease_epoch": 1,
         }
+        current = (
+            sa.select(runs.c.run_id)
+            .where(runs.c.job_id == job_id)
+            .order_by(runs.c.created_at.desc(), runs.c.run_id.desc())
+            .limit(1)
+        )
 
         async def work(conn: AsyncConnection) -> Run:
-            await self._fetch_one(
-                conn, sa.select(jobs.c.job_id).where(jobs.c.job_id == job_id), f"job {job_id}"
-            )
-            return rows.run((await conn.execute(sa.insert(runs).values(values).returning(runs))).one())
+            # Locks in the order fenced writes take them (the run's row, then the job's): no deadlock.
+            run_id = (await conn.execute(current.with_for_update(key_share=True))).scalar()
+            if run_id is None:
+                # No run yet: the job's row serialises the coordinators that would create one, and
+                # the look again (after the lock) sees the run of one that got there first.
+                job = sa.select(jobs.c.job_id).where(jobs.c.job_id == job_id)
+                await self._fetch_one(conn, job.with_for_update(key_share=True), f"job {job_id}")
+                run_id = (await conn.execute(current)).scalar()
+            if run_id is None:
+                return rows.run((await conn.execute(sa.insert(runs).values(values).returning(runs))).one())
+            return await self._take_lease(conn, run_id, owner=owner, now=now, lease=lease)
 
         return await self._db.write(work)
 
@@ -206,29 +222,32 @@ class JobQueries(StoreCore):
         """
 
         async def work(conn: AsyncConnection) -> Run:
-            free = sa.or_(
-                runs.c.owner.is_(None),
-                runs.c.owner == owner,
-                runs.c.owner_lease_expires_at <= now,
-            )
-            epoch = sa.case((runs.c.owner == owner, runs.c.lease_epoch), else_=runs.c.lease_epoch + 1)
-            updated = (
-                await conn.execute(
-                    sa.update(runs)
-                    .where(runs.c.run_id == run_id, free)
-                    .values(
-                        owner=owner, owner_lease_expires_at=now + lease, updated_at=now, lease_epoch=epoch
-                    )
-                    .returning(runs)
-                )
-            ).first()
-            if updated is not None:
-                return rows.run(updated)
-            row = await self._fetch_one(conn, sa.select(runs).where(runs.c.run_id == run_id), f"run {run_id}")
-            held = rows.run(row)
-            raise RunLeaseHeld(run_id, held.owner or "", held.owner_lease_expires_at)
+            return await self._take_lease(conn, run_id, owner=owner, now=now, lease=lease)
 
         return await self._db.write(work)
+
+    async def _take_lease(
+        self, conn: AsyncConnection, run_id: str, *, owner: str, now: datetime, lease: timedelta
+    ) -> Run:
+        free = sa.or_(
+            runs.c.owner.is_(None),
+            runs.c.owner == owner,
+            runs.c.owner_lease_expires_at <= now,
+        )
+        epoch = sa.case((runs.c.owner == owner, runs.c.lease_epoch), else_=runs.c.lease_epoch + 1)
+        updated = (
+            await conn.execute(
+                sa.update(runs)
+                .where(runs.c.run_id == run_id, free)
+                .values(owner=owner, owner_lease_expires_at=now + lease, updated_at=now, lease_epoch=epoch)
+                .returning(runs)
+            )
+        ).first()
+        if updated is not None:
+            return rows.run(updated)
+        row = await self._fetch_one(conn, sa.select(runs).where(runs.c.run_id == run_id), f"run {run_id}")
+        held = rows.run(row)
+        raise RunLeaseHeld(run_id, held.owner or "", held.owner_lease_expires_at)
 
     async def renew_run_lease(self, fence: RunFence, *, now: datetime, lease: timedelta) -> Run:
         """Extend the lease ``fence`` took to ``now + lease``; RunLeaseLost if another owner took the run

@@ -434,8 +434,10 @@ class StateStore(Protocol):
         """Delete a final job with everything it owns; return the blob bytes freed."""
         ...
 
-    async def create_run(self, job_id: str, *, owner: str, now: datetime, lease: timedelta) -> Run:
-        """Start a run of a job, driven by ``owner`` under a lease."""
+    async def acquire_job_run(self, job_id: str, *, owner: str, now: datetime, lease: timedelta) -> Run:
+        """The run that drives the job, with ``owner`` holding its lease: created by the first
+        coordinator to ask (two asking at once make one run), renewed for its owner, taken over once
+        its lease lapsed, and RunLeaseHeld while another owner's lease holds."""
         ...
 
     async def get_run(self, run_id: str) -> Run:

@@ -97,7 +97,7 @@ async def make_world(store: SqlStateStore, clock: ManualClock, *, devices: int =
         await store.enroll_device({"os": "linux", "n": str(i)}, {}, f"cred-{i}") for i in range(devices)
     ]
     job = await store.create_job(NewJob(name="mnist", spec_json='{"workflow": "fedavg"}', job_data="{}"))
-    run = await store.create_run(
+    run = await store.acquire_job_run(
         job.job_id, owner="coordinator-1", now=clock.now(), lease=timedelta(seconds=30)
     )
     return World(store=store, clock=clock, job=job, run=run, devices=enrolled)
