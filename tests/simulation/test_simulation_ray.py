@@ -33,6 +33,14 @@ RAY_WARNINGS: tuple[pytest.MarkDecorator, ...] = (
 )
 
 
+@pytest.fixture(autouse=True)
+def patient_ray_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray waits 30 s for its GCS to bind; on two cores beside the loaded pass's busy processes that
+    was once not enough (CI: "Timed out waiting for file .../gcs_server_port_..."). Two minutes, for
+    ``ray.init`` here and ``ray start`` in subprocesses alike."""
+    monkeypatch.setenv("RAY_gcs_server_port_wait_time_s", "120")
+
+
 def ray_test(test: _F) -> _F:
     """Marks a test that runs Ray: slow (with the slow tests' longer timeout), Ray's warnings filtered."""
     for mark in (pytest.mark.slow, *RAY_WARNINGS):
