@@ -35,16 +35,17 @@ RAY_WARNINGS: tuple[pytest.MarkDecorator, ...] = (
 
 @pytest.fixture(autouse=True)
 def patient_ray_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ray waits 30 s for its GCS to bind; on two cores beside the loaded pass's busy processes that
-    was once not enough (CI: "Timed out waiting for file .../gcs_server_port_..."). Two minutes, for
-    ``ray.init`` here and ``ray start`` in subprocesses alike."""
+    """Ray waits 30 s for its GCS to bind; a busy two-core machine once needed more (CI: "Timed out
+    waiting for file .../gcs_server_port_..."). Two minutes, for ``ray.init`` here and ``ray start`` in
+    subprocesses alike."""
     monkeypatch.setenv("RAY_gcs_server_port_wait_time_s", "120")
 
 
 #: Not beside the loaded pass's busy processes: Ray's own start-up (GCS, raylet) times out on two
 #: loaded cores ("The current node timed out during startup"); the main pass runs these tests.
 NOT_UNDER_LOAD = pytest.mark.skipif(
-    bool(os.environ.get("FEDLINK_TEST_LOAD")), reason="Ray's start-up is not ours to test under load"
+    bool(os.environ.get("FEDLINK_TEST_LOAD")),  # tests/conftest.py's LOAD_VARIABLE
+    reason="Ray's start-up is not ours to test under load",
 )
 
 
