@@ -5,6 +5,10 @@ configured metric sinks (MLflow, TensorBoard: :mod:`fedlink.server.tracking`).
 coordinator that drives a run logs its rounds. It queues them without waiting and hands them to the
 sinks in order, on a thread of its own (the sinks' libraries block on files and databases): a slow or
 broken sink never holds a workflow back, and a broken one is disabled after logging once.
+
+A round's event can reach the tracker after its job's final state: the driver closes a round as an
+operator aborts the job, and records the round's event after its write. Such a late round is logged
+and the job's runs are ended again, so the sinks keep the round and the job's final status.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +31,9 @@ from fedlink.server.tracking.sinks import MetricPoint, MetricSink, TrackedJob
 log = logging.getLogger(__name__)
 
 __all__ = ["JobTracker"]
+
+#: How many ended jobs the tracker remembers for rounds that arrive after the job's end.
+_ENDED_KEPT = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +56,8 @@ class JobTracker:
         self._jobs: dict[str, TrackedJob] = {}
         self._round_starts: dict[tuple[str, int], tuple[float, int]] = {}
         self._last_step_time: dict[str, float] = {}
+        #: Ended jobs (newest last) with their final state.
+        self._ended: OrderedDict[str, str] = OrderedDict()
         self._closed = False
 
     def heard(self, job: Job, kind: str, round: int, payload: Mapping[str, Any]) -> None:
@@ -107,6 +117,8 @@ class JobTracker:
     def _dispatch(self, event: _Event) -> None:
         job_id = event.job.job_id
         if event.kind == "round_started":
+            if job_id in self._ended:
+                return  # no round of an ended job closes after it
             sampled = int(event.payload.get("num_devices", 0))
             self._round_starts[(job_id, event.round)] = (event.time_s, sampled)
         elif event.kind == "round_closed":
@@ -130,13 +142,21 @@ class JobTracker:
             state = JobState(str(event.payload.get("state")))
             if state is JobState.RUNNING:
                 self._last_step_time.setdefault(job_id, event.time_s)  # the first version's start
-            if is_final(state) and job_id in self._jobs:
-                tracked = self._jobs.pop(job_id)
+            if is_final(state):
+                self._ended[job_id] = state.value
+                if len(self._ended) > _ENDED_KEPT:
+                    self._ended.popitem(last=False)
                 self._last_step_time.pop(job_id, None)
                 for key in [k for k in self._round_starts if k[0] == job_id]:
                     del self._round_starts[key]
-                for sink in self._sinks:
-                    sink.finish(tracked, state.value)
+                self._finish(job_id)
+
+    def _finish(self, job_id: str) -> None:
+        """Ends the runs of an ended job that the sinks have open."""
+        tracked = self._jobs.pop(job_id, None)
+        if tracked is not None:
+            for sink in self._sinks:
+                sink.finish(tracked, self._ended[job_id])
 
     def _log(self, event: _Event, *, num_devices: int, num_results: int, duration_s: float) -> None:
         metrics = event.payload.get("metrics") or {}
@@ -151,6 +171,8 @@ class JobTracker:
         tracked = self._tracked(event.job)
         for sink in self._sinks:
             sink.log(tracked, point)
+        if event.job.job_id in self._ended:  # a late round: the job's runs end as the job did
+            self._finish(event.job.job_id)
 
 
 async def _no_pause() -> None:

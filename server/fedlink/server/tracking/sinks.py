@@ -419,7 +419,10 @@ class TensorBoardSink:
         if job.job_id not in self._writers:
             folder = self.job_dir(job)
             folder.mkdir(parents=True, exist_ok=True)
-            writer = self._writer_type(logdir=str(folder), flush_secs=10)
+            # A file of its own per opening (its name is the second and the host, and a job reopened
+            # within one second would truncate the first): TensorBoard reads them in name order.
+            suffix = f".{time.time_ns():020d}"
+            writer = self._writer_type(logdir=str(folder), flush_secs=10, filename_suffix=suffix)
             self._writers[job.job_id] = writer
             params = json.dumps({"workflow": job.workflow, **dict(job.params)}, sort_keys=True, default=str)
             writer.add_text("fedlink/job", f"{job.name} ({job.job_id}): `{params}`", global_step=0)
