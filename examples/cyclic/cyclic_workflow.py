@@ -57,8 +57,8 @@ class CyclicWorkflow:
                 model = _applied(model, update, version + 1)
                 version += 1
                 visited += 1
-            await ctx.checkpoint(round_no, model, state={"version": version})
-            await ctx.emit("round_closed", round_no, {"num_results": visited, "metrics": {}})
+            closed = ("round_closed", round_no, {"num_results": visited, "metrics": {}})
+            await ctx.checkpoint(round_no, model, state={"version": version}, events=[closed])
 
     async def _devices(self, ctx: WorkflowContext) -> list[str]:
         devices = await ctx.eligible_devices()

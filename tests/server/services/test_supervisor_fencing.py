@@ -53,7 +53,7 @@ def model(round_no: int, owner: str) -> DXO:
 
 
 class GatedWorkflow:
-    """Checkpoints round 1, waits at its coordinator's gate, checkpoints round 2, and is done."""
+    """Checkpoints round 1, waits at its coordinator's gate, starts and checkpoints round 2, and is done."""
 
     async def run(self, ctx: WorkflowContext) -> None:
         owner = ctx.run.owner or ""
@@ -62,6 +62,7 @@ class GatedWorkflow:
         gate = GATES[owner]
         gate.reached.set()
         await gate.opened.wait()
+        await ctx.emit("round_started", 2, {"num_devices": 0})
         await ctx.checkpoint(2, model(2, owner))
 
 
@@ -168,8 +169,9 @@ async def finish_on_b(b: Replica, job_id: str) -> None:
     assert [c.round for c in kept] == [1, 2]
     final = DXO.from_bytes(await b.store.blobs.read(kept[-1].model_sha256))
     assert final.meta["by"] == b.owner and float(final.data["w"][0]) == 2.0
-    events = [e.payload_json for e in await b.store.list_job_events(job_id)]
-    assert sum('"FAILED"' in e for e in events) == 0, events
+    events = await b.store.list_job_events(job_id)
+    assert sum('"FAILED"' in e.payload_json for e in events) == 0, events
+    assert [e.kind for e in events].count("round_started") == 1, events  # B's only
 
 
 async def test_a_paused_driver_that_wakes_after_a_take_over_is_refused_its_checkpoint(
@@ -200,6 +202,8 @@ async def test_a_paused_driver_that_wakes_after_a_take_over_is_refused_its_check
         assert (run.state, run.owner, run.round) == (RunState.RUNNING, "coordinator-b", 1)
         assert [c.round for c in await a.store.list_checkpoints(run.run_id)] == [1]
         assert (await a.store.get_job(job_id)).state is JobState.RUNNING  # not failed
+        # Its event was the write refused: round 2 has not started, as far as the job's watchers know.
+        assert [e.kind for e in await a.store.list_job_events(job_id)] == ["job_state_changed"]
 
         # A goes on as a plain replica: its next scan tries the lease and leaves the run to B.
         await a.supervisor.scan()

@@ -64,7 +64,13 @@ async def test_after_a_take_over_the_old_owners_writes_are_refused_and_change_no
 
     refused = {
         "checkpoint": store.save_checkpoint(
-            run.run_id, 2, "2" * 64, '{"loss": 0.5}', keep_last=3, fence=stale
+            run.run_id,
+            2,
+            "2" * 64,
+            '{"loss": 0.5}',
+            keep_last=3,
+            fence=stale,
+            events=[("round_closed", '{"round": 2}')],
         ),
         "create_tasks": store.create_tasks([new_task(world, round=2)], fence=stale),
         "close_task": store.close_task(task.task_id, fence=stale),
@@ -98,12 +104,16 @@ async def test_after_a_take_over_the_old_owners_writes_are_refused_and_change_no
     assert await store.list_job_events(job.job_id) == before_events
     assert (await store.get_job(job.job_id)).state is JobState.RUNNING
 
-    # The new owner's writes go through.
-    await store.save_checkpoint(run.run_id, 2, "2" * 64, '{"loss": 0.5}', keep_last=3, fence=b)
+    # The new owner's writes go through, the checkpoint's event with it.
+    await store.save_checkpoint(
+        run.run_id, 2, "2" * 64, '{"loss": 0.5}', keep_last=3, fence=b, events=[("round_closed", "{}")]
+    )
+    after = await store.list_job_events(job.job_id)
+    assert after[:-1] == before_events and after[-1].kind == "round_closed"
     assert await store.count_round_retry(run_id=run.run_id, round=1, name="train", fence=b) == 1
     assert await store.close_round_tasks(run_id=run.run_id, round=1, name="train", fence=b) == 1
     await store.create_tasks([new_task(world, round=2)], fence=b)
-    await store.append_job_event(job.job_id, "round_closed", "{}", fence=b)
+    await store.append_job_event(job.job_id, "round_started", "{}", fence=b)
     await store.set_job_state(job.job_id, JobState.FINISHED, fence=b)
     ended = await store.finish_run(run.run_id, RunState.FINISHED, fence=b)
     assert (ended.state, ended.round, ended.global_model_sha256) == (RunState.FINISHED, 2, "2" * 64)
@@ -122,8 +132,12 @@ async def test_a_lapsed_lease_nobody_took_still_fences_its_owners_writes_in(worl
 async def test_an_ended_run_refuses_its_drivers_writes(world: World) -> None:
     store, run = world.store, world.run
     await store.finish_run(run.run_id, RunState.ABORTED, "aborted by an operator")
+    events = await store.list_job_events(world.job.job_id)
     with pytest.raises(RunLeaseLost, match=r"the run has ended \(ABORTED\)"):
-        await store.save_checkpoint(run.run_id, 1, "1" * 64, "{}", keep_last=3, fence=run.fence)
+        await store.save_checkpoint(
+            run.run_id, 1, "1" * 64, "{}", keep_last=3, fence=run.fence, events=[("round_closed", "{}")]
+        )
+    assert await store.list_job_events(world.job.job_id) == events  # nor the round's event
     with pytest.raises(RunLeaseLost, match=r"the run has ended \(ABORTED\)"):
         await store.renew_run_lease(run.fence, now=world.clock.now(), lease=LEASE)
     assert (await store.get_run(run.run_id)).round == 0

@@ -21,6 +21,7 @@ from fedlink.server.domain.models import (
     Task,
     WorkflowSpec,
     failure_reason,
+    job_event_json,
     selector_matches,
     summarize_failures,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "WorkflowSpec",
     "failure_reason",
     "is_final",
+    "job_event_json",
     "new_id",
     "selector_matches",
     "summarize_failures",

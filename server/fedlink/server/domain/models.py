@@ -274,6 +274,11 @@ class JobEvent:
     payload_json: str
 
 
+def job_event_json(round: int, payload: Mapping[str, Any]) -> str:
+    """The stored payload of an event of ``round`` (``{"round": ..., **payload}``)."""
+    return json.dumps({"round": round, **payload}, sort_keys=True)
+
+
 class ReportOutcome(enum.StrEnum):
     """What became of a reported result."""
 

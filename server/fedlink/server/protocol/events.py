@@ -7,7 +7,7 @@ import json
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-from fedlink.server.domain import Job, JobEvent, JobState, RunFence, is_final
+from fedlink.server.domain import Job, JobEvent, JobState, RunFence, is_final, job_event_json
 from fedlink.server.store import StateStore
 
 #: The event that reports a job's state change; its payload has "state" and "message".
@@ -24,14 +24,23 @@ class JobEvents:
         #: tracker's queue); a listener must not block or raise.
         self.listeners: list[Callable[[Job, str, int, Mapping[str, Any]], None]] = []
 
-    async def emit(self, job: Job, kind: str, round: int, payload: Mapping[str, Any]) -> None:
-        """Records an event of ``job`` and wakes its watchers."""
-        body = {"round": round, **payload}
-        await self._store.append_job_event(job.job_id, kind, json.dumps(body, sort_keys=True))
-        self._told(job, kind, round, payload)
+    async def emit(
+        self,
+        job: Job,
+        kind: str,
+        round: int,
+        payload: Mapping[str, Any],
+        *,
+        fence: RunFence | None = None,
+    ) -> None:
+        """Records an event of ``job`` and wakes its watchers; with a ``fence`` (a driver's), only while
+        it holds the job's run (else RunLeaseLost, and nothing recorded)."""
+        await self._store.append_job_event(job.job_id, kind, job_event_json(round, payload), fence=fence)
+        self.told(job, kind, round, payload)
 
-    def _told(self, job: Job, kind: str, round: int, payload: Mapping[str, Any]) -> None:
-        """An event of ``job`` is stored: wakes its watchers and tells the listeners."""
+    def told(self, job: Job, kind: str, round: int, payload: Mapping[str, Any]) -> None:
+        """An event of ``job`` is stored (by :meth:`emit`, or in a write of the caller's own, in the form
+        of :func:`~fedlink.server.domain.job_event_json`): wakes its watchers and tells the listeners."""
         self.wake(job.job_id)
         for listener in self.listeners:
             listener(job, kind, round, payload)
@@ -42,11 +51,10 @@ class JobEvents:
         """Moves the job to ``state`` and records its ``job_state_changed`` event in the same write (a
         watcher that sees a final job finds its final event), then wakes its watchers."""
         payload = {"state": state.value, "message": message}
-        body = json.dumps({"round": 0, **payload}, sort_keys=True)
         job = await self._store.set_job_state(
-            job_id, state, message, fence=fence, event=(JOB_STATE_CHANGED, body)
+            job_id, state, message, fence=fence, event=(JOB_STATE_CHANGED, job_event_json(0, payload))
         )
-        self._told(job, JOB_STATE_CHANGED, 0, payload)
+        self.told(job, JOB_STATE_CHANGED, 0, payload)
         return job
 
     def wake(self, job_id: str) -> None:

@@ -296,10 +296,13 @@ class JobQueries(StoreCore):
         state_json: str = "{}",
         state_sha256: str | None = None,
         fence: RunFence | None = None,
+        events: Sequence[tuple[str, str]] = (),
     ) -> Checkpoint:
         """Record a round's model, metrics and workflow state on the run, in one transaction; keep only
         the last ``keep_last`` checkpoints. With a ``fence``, only while it holds the run (else
-        RunLeaseLost, and nothing is recorded).
+        RunLeaseLost, and nothing is recorded). ``events`` (kind, payload JSON) are appended to the run's
+        job in the same transaction: a round's event is there exactly when its checkpoint is, and before
+        any later event of the job (an operator's abort, say).
 
         The run itself points at the newest model and state, so the final model outlives the pruning.
         The blobs of pruned checkpoints and of the run's previous state are freed unless something
@@ -316,9 +319,13 @@ class JobQueries(StoreCore):
         def work(conn: sa.Connection) -> tuple[Checkpoint, set[str]]:
             check_fence(conn, fence)
             where = runs.c.run_id == run_id
-            previous = conn.execute(sa.select(runs.c.workflow_state_sha256).where(where)).first()
+            previous = conn.execute(
+                sa.select(runs.c.workflow_state_sha256, runs.c.job_id).where(where)
+            ).first()
             if previous is None:
                 raise NotFound(f"run {run_id} does not exist")
+            if events:
+                append_job_events(conn, [(previous.job_id, kind, body) for kind, body in events], now)
             conn.execute(
                 sa.delete(checkpoints).where(checkpoints.c.run_id == run_id, checkpoints.c.round == round)
             )

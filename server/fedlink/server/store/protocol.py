@@ -475,10 +475,12 @@ class StateStore(Protocol):
         state_json: str = "{}",
         state_sha256: str | None = None,
         fence: RunFence | None = None,
+        events: Sequence[tuple[str, str]] = (),
     ) -> Checkpoint:
         """Record a round's model, metrics and workflow state on the run, in one transaction; keep only
         the last ``keep_last`` checkpoints (the blobs of the others are freed unless still used).
-        With a ``fence``: RunLeaseLost, and nothing recorded, unless it still holds the run."""
+        With a ``fence``: RunLeaseLost, and nothing recorded, unless it still holds the run. ``events``
+        (kind, payload JSON) are appended to the run's job in the same transaction."""
         ...
 
     async def list_checkpoints(self, run_id: str) -> Sequence[Checkpoint]:

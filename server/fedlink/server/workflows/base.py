@@ -19,23 +19,39 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, TypeAlias
 
 from fedlink.common.dxo import DXO
 from fedlink.common.errors import FailedPrecondition, InvalidArgument
 from fedlink.server.coordination.known_tasks import KnownTasks
 from fedlink.server.coordination.notify import TaskNotifier
 from fedlink.server.coordination.progress import Progress
-from fedlink.server.domain import Clock, Job, Result, Run, RunFence, Task, selector_matches
+from fedlink.server.domain import Clock, Job, Result, Run, RunFence, Task, job_event_json, selector_matches
 from fedlink.server.store import NewTask, StateStore
 
 
 class EventSink(Protocol):
     """Where a workflow reports what happened (job events, metrics)."""
 
-    async def emit(self, job: Job, kind: str, round: int, payload: Mapping[str, Any]) -> None:
-        """Records one progress event of ``job``."""
+    async def emit(
+        self,
+        job: Job,
+        kind: str,
+        round: int,
+        payload: Mapping[str, Any],
+        *,
+        fence: RunFence | None = None,
+    ) -> None:
+        """Records one progress event of ``job`` (with a ``fence``: only while it holds the run)."""
         ...
+
+    def told(self, job: Job, kind: str, round: int, payload: Mapping[str, Any]) -> None:
+        """Passes on an event of ``job`` the caller stored in a write of its own (a checkpoint's)."""
+        ...
+
+
+#: A job event as a workflow makes it: its kind, its round (or model version), its payload.
+Event: TypeAlias = tuple[str, int, Mapping[str, Any]]
 
 
 #: The event kinds a workflow may emit, and what their payload holds (``WatchJob`` has a form for each).
@@ -176,22 +192,58 @@ class WorkflowContext:
         metrics: Mapping[str, float] | None = None,
         state: Mapping[str, Any] | None = None,
         keep_last: int = 3,
+        events: Sequence[Event] = (),
     ) -> str:
         """Stores ``model`` as the run's global model after ``round`` with its metrics and the
         workflow's own JSON ``state``, all in one transaction; returns the model's sha256. A restarted
         coordinator resumes the run from here (:attr:`completed`, :attr:`state`, :meth:`load_model`).
+
+        ``events`` (kind, round, payload, as :meth:`emit` takes them) are recorded in the same
+        transaction: a round's ``round_closed`` is there exactly when its checkpoint is.
+
+        Raises:
+            InvalidArgument: an event of an unknown kind, or with payload keys it does not have.
         """
+        for kind, _, payload in events:
+            _check_event(kind, payload)
         ref = await self.store.blobs.put_bytes(model.to_bytes())
-        await self.store.save_checkpoint(
-            self.run.run_id,
+        await self.save_checkpoint(
             round,
             ref.sha256,
             json.dumps(dict(metrics or {}), sort_keys=True),
             keep_last=max(1, keep_last),
             state_json=json.dumps(dict(state or {}), sort_keys=True),
-            fence=self.fence,
+            events=events,
         )
         return ref.sha256
+
+    async def save_checkpoint(
+        self,
+        round: int,
+        model_sha256: str,
+        metrics_json: str,
+        *,
+        keep_last: int,
+        state_json: str = "{}",
+        state_sha256: str | None = None,
+        events: Sequence[Event] = (),
+    ) -> None:
+        """The fenced checkpoint write of :meth:`checkpoint`, for a model already stored, with the
+        ``events`` that report it in the same transaction (recorded exactly when the checkpoint is,
+        before any later event of the job such as an abort's), passed on to the job's watchers after."""
+        await self.store.save_checkpoint(
+            self.run.run_id,
+            round,
+            model_sha256,
+            metrics_json,
+            keep_last=keep_last,
+            state_json=state_json,
+            state_sha256=state_sha256,
+            fence=self.fence,
+            events=[(kind, job_event_json(number, payload)) for kind, number, payload in events],
+        )
+        for kind, number, payload in events:
+            self.events.told(self.job, kind, number, payload)
 
     async def emit(self, kind: str, round: int, payload: Mapping[str, Any]) -> None:
         """Records a progress event that ``fedlink job watch`` shows (a kind of :data:`EVENT_KINDS`).
@@ -199,13 +251,18 @@ class WorkflowContext:
         Raises:
             InvalidArgument: an unknown kind, or payload keys it does not have.
         """
-        allowed = EVENT_KINDS.get(kind)
-        if allowed is None:
-            raise InvalidArgument(f"unknown event kind {kind!r}; known: {', '.join(EVENT_KINDS)}")
-        extra = sorted(set(payload) - set(allowed))
-        if extra:
-            raise InvalidArgument(f"a {kind} event has {', '.join(allowed)}, not {', '.join(extra)}")
-        await self.events.emit(self.job, kind, round, payload)
+        _check_event(kind, payload)
+        await self.events.emit(self.job, kind, round, payload, fence=self.fence)
+
+
+def _check_event(kind: str, payload: Mapping[str, Any]) -> None:
+    """InvalidArgument unless ``kind`` is one of :data:`EVENT_KINDS` and ``payload`` has only its keys."""
+    allowed = EVENT_KINDS.get(kind)
+    if allowed is None:
+        raise InvalidArgument(f"unknown event kind {kind!r}; known: {', '.join(EVENT_KINDS)}")
+    extra = sorted(set(payload) - set(allowed))
+    if extra:
+        raise InvalidArgument(f"a {kind} event has {', '.join(allowed)}, not {', '.join(extra)}")
 
 
 class Workflow(Protocol):

@@ -362,8 +362,7 @@ class FedAvg:
             metrics.update(await evaluation_metrics(evaluation, ctx.store.blobs.read_each))
         metrics_json = json.dumps(metrics, sort_keys=True)
         state_json, state_sha = await save_state(ctx, self._server.state())
-        await ctx.store.save_checkpoint(
-            ctx.run.run_id,
+        await ctx.save_checkpoint(
             round_no,
             new_ref.sha256,
             metrics_json,
@@ -371,9 +370,8 @@ class FedAvg:
             keep_last=max(1, self.params.keep_checkpoints),
             state_json=state_json,
             state_sha256=state_sha,
-            fence=ctx.fence,
+            events=[("round_closed", round_no, {"num_results": count, "metrics": metrics})],
         )
-        await ctx.events.emit(ctx.job, "round_closed", round_no, {"num_results": count, "metrics": metrics})
         log.info("round closed", extra={"job_id": ctx.job.job_id, "round": round_no, **metrics})
         return new_ref.sha256, new_model
 
@@ -568,7 +566,9 @@ class FedAvg:
         deadline = ctx.clock.now() + timedelta(seconds=self.params.round_timeout_s)
         await self._hand_out(ctx, round_no, name, payload_sha, chosen, deadline)
         if name == TRAIN_TASK and wave == 0:
-            await ctx.events.emit(ctx.job, "round_started", round_no, {"num_devices": len(chosen)})
+            await ctx.events.emit(
+                ctx.job, "round_started", round_no, {"num_devices": len(chosen)}, fence=ctx.fence
+            )
 
     async def _hand_out(
         self,

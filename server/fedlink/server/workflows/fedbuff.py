@@ -61,7 +61,7 @@ from fedlink.server.domain import (
 )
 from fedlink.server.domain.updates import model_spec
 from fedlink.server.store import StateStore
-from fedlink.server.workflows.base import WorkflowContext
+from fedlink.server.workflows.base import Event, WorkflowContext
 from fedlink.server.workflows.buffer import UpdateBuffer
 from fedlink.server.workflows.device_pool import DevicePool
 from fedlink.server.workflows.folding import THREAD_ELEMENTS, LazyModel, evaluation_metrics
@@ -697,7 +697,8 @@ class FedBuff:
         if held:
             self._unpublished.append(event)
         self._metrics = metrics
-        await self._save(ctx, version, ref.sha256)
+        published: list[Event] = [] if held else [(MODEL_VERSION_EVENT, version, payload)]
+        await self._save(ctx, version, ref.sha256, events=published)
         self._version, self._model, self._model_sha, self._on_version = version, arrays, ref.sha256, 0
         self._models = {v: m for v, m in self._models.items() if v in live}
         self._models[version] = LazyModel.of(arrays)
@@ -705,23 +706,23 @@ class FedBuff:
             "model version made",
             extra={"job_id": ctx.job.job_id, "model_version": version, "num_updates": count},
         )
-        if not held:
-            await ctx.events.emit(ctx.job, MODEL_VERSION_EVENT, version, payload)
-        elif event.evaluating:
+        if event.evaluating:
             await self._evaluate(ctx, event)
 
-    async def _save(self, ctx: WorkflowContext, version: int, model_sha: str) -> None:
+    async def _save(
+        self, ctx: WorkflowContext, version: int, model_sha: str, *, events: Sequence[Event] = ()
+    ) -> None:
         """Checkpoints the latest version: its model, its metrics, and as state the checkpoint's with the
-        events not published yet (written again, the same otherwise, when an evaluation ends)."""
+        events not published yet (written again, the same otherwise, when an evaluation ends), with the
+        ``events`` published in the same transaction."""
         state = {**self._checkpoint_state, "unpublished": [e.as_state() for e in self._unpublished]}
-        await ctx.store.save_checkpoint(
-            ctx.run.run_id,
+        await ctx.save_checkpoint(
             version,
             model_sha,
             json.dumps(self._metrics, sort_keys=True),
             keep_last=max(1, self.params.keep_checkpoints),
             state_json=json.dumps(state, sort_keys=True),
-            fence=ctx.fence,
+            events=events,
         )
 
     # ---- evaluation ----
@@ -810,17 +811,15 @@ class FedBuff:
         await self._publish(ctx)
 
     async def _publish(self, ctx: WorkflowContext) -> None:
-        """Emits the held events, in version order, up to the first whose evaluation is still out; the
-        latest checkpoint is written again first, without them (a crash in between loses them, as a
-        crash between a checkpoint and its event does)."""
+        """Emits the held events, in version order, up to the first whose evaluation is still out, in a
+        new write of the latest checkpoint that no longer holds them back (both or neither are kept)."""
         ready: list[_VersionEvent] = []
         while self._unpublished and not self._unpublished[0].evaluating:
             ready.append(self._unpublished.popleft())
         if not ready:
             return
-        await self._save(ctx, self._version, self._model_sha)
-        for event in ready:
-            await ctx.events.emit(ctx.job, MODEL_VERSION_EVENT, event.version, event.payload)
+        events = [(MODEL_VERSION_EVENT, e.version, e.payload) for e in ready]
+        await self._save(ctx, self._version, self._model_sha, events=events)
 
     async def _finish_evaluations(self, ctx: WorkflowContext) -> None:
         """After the last version: closes the selection (its updates would count for nothing), then waits
