@@ -255,3 +255,48 @@ async def test_a_dead_drivers_run_is_taken_over_as_its_lease_lapses_not_a_scan_l
             await asyncio.gather(loop, return_exceptions=True)
         taken = await b.store.get_current_run(job_id)
     assert (taken.run_id, taken.owner, taken.lease_epoch) == (run.run_id, "coordinator-b", 2)
+
+
+# The scan reads the live jobs, then starts their drivers: by the time a driver holds the run, the job
+# it was handed may be out of date. `_start(snapshot)` hands a driver exactly such a snapshot.
+
+
+async def test_a_driver_handed_a_stale_pending_job_resumes_it_instead_of_failing_it(db_url: str) -> None:
+    clock = ManualClock(T0)
+    async with (
+        replica(db_url, "coordinator-a", clock, LONG_LEASE) as a,
+        replica(db_url, "coordinator-b", clock, LONG_LEASE) as b,
+    ):
+        job_id = await submit(a.store)
+        snapshot = await b.store.get_job(job_id)  # PENDING, as B's scan read it
+        await a.supervisor.scan()
+        await asyncio.wait_for(a.gate.reached.wait(), WAIT_S)  # A made it RUNNING, checkpointed, froze
+        clock.advance(LONG_LEASE + timedelta(seconds=1))
+        b.supervisor._start(snapshot)
+        # B holds the run and resumes it at round 1 (not "job cannot go from RUNNING to RUNNING").
+        await asyncio.wait_for(b.gate.reached.wait(), WAIT_S)
+        assert (await b.store.get_job(job_id)).state is JobState.RUNNING
+        await finish_on_b(b, job_id)
+
+
+async def test_a_driver_handed_a_job_aborted_since_leaves_it_and_its_run_alone(db_url: str) -> None:
+    clock = ManualClock(T0)
+    async with (
+        replica(db_url, "coordinator-a", clock, LONG_LEASE) as a,
+        replica(db_url, "coordinator-b", clock, LONG_LEASE) as b,
+    ):
+        job_id = await submit(a.store)
+        snapshot = await b.store.get_job(job_id)
+        await a.supervisor.scan()
+        await asyncio.wait_for(a.gate.reached.wait(), WAIT_S)
+        run = await a.store.get_current_run(job_id)
+        # An operator aborts it (as ControlService.abort_job does: the job, then its run).
+        await JobEvents(a.store).set_state(job_id, JobState.ABORTED, "aborted by an operator")
+        await a.store.finish_run(run.run_id, RunState.ABORTED, "aborted by an operator")
+        ended = await a.store.get_current_run(job_id)
+        clock.advance(LONG_LEASE + timedelta(seconds=1))
+        b.supervisor._start(snapshot)
+        await asyncio.wait_for(b.supervisor._drivers[job_id], WAIT_S)
+        assert not b.gate.reached.is_set()
+        assert await b.store.get_current_run(job_id) == ended  # not leased to B, not a new run
+        assert (await b.store.get_job(job_id)).state is JobState.ABORTED

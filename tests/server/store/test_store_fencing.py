@@ -9,7 +9,15 @@ from datetime import timedelta
 
 import pytest
 
-from fedlink.server.domain import JobState, RunFence, RunLeaseHeld, RunLeaseLost, RunState, TaskState
+from fedlink.server.domain import (
+    JobState,
+    RunEnded,
+    RunFence,
+    RunLeaseHeld,
+    RunLeaseLost,
+    RunState,
+    TaskState,
+)
 from fedlink.server.store import NewTask, SqlStateStore
 from fedlink.server.store.testing import StoreFactory, World
 
@@ -140,7 +148,16 @@ async def test_an_ended_run_refuses_its_drivers_writes(world: World) -> None:
     assert await store.list_job_events(world.job.job_id) == events  # nor the round's event
     with pytest.raises(RunLeaseLost, match=r"the run has ended \(ABORTED\)"):
         await store.renew_run_lease(run.fence, now=world.clock.now(), lease=LEASE)
-    assert (await store.get_run(run.run_id)).round == 0
+    ended = await store.get_run(run.run_id)
+    assert ended.round == 0
+    # Nobody takes an ended run's lease, its old owner or another, even once the lease lapsed.
+    later = world.clock.advance(LEASE * 2)
+    for owner in ("coordinator-1", "coordinator-2"):
+        with pytest.raises(RunEnded, match=r"has ended \(ABORTED\)"):
+            await store.acquire_job_run(world.job.job_id, owner=owner, now=later, lease=LEASE)
+        with pytest.raises(RunEnded):
+            await store.acquire_run_lease(run.run_id, owner=owner, now=later, lease=LEASE)
+    assert await store.get_run(run.run_id) == ended
 
 
 async def test_a_take_over_sees_every_write_the_old_owner_got_in(

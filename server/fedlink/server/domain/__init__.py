@@ -2,7 +2,7 @@
 like. Imports nothing of ours but :mod:`fedlink.common`."""
 
 from fedlink.server.domain.clock import Clock, ManualClock, SystemClock
-from fedlink.server.domain.errors import LeaseLost, RunLeaseHeld, RunLeaseLost
+from fedlink.server.domain.errors import LeaseLost, RunEnded, RunLeaseHeld, RunLeaseLost
 from fedlink.server.domain.ids import new_id
 from fedlink.server.domain.models import (
     EVALUATE_TASK,
@@ -62,6 +62,7 @@ __all__ = [
     "Result",
     "ResultStatus",
     "Run",
+    "RunEnded",
     "RunFence",
     "RunLeaseHeld",
     "RunLeaseLost",

@@ -27,6 +27,15 @@ class RunLeaseHeld(FailedPrecondition):
         self.expires_at = expires_at
 
 
+class RunEnded(FailedPrecondition):
+    """The run has ended: nobody drives it any more (its job is final, or is being made final)."""
+
+    def __init__(self, run_id: str, state: str) -> None:
+        super().__init__(f"run {run_id} has ended ({state}); nobody drives it any more")
+        self.run_id = run_id
+        self.state = state
+
+
 class RunLeaseLost(FailedPrecondition):
     """A write fenced by a run's lease came from an owner that no longer holds it: another coordinator
     took the run over (or it ended) while this one was paused. The write changed nothing."""

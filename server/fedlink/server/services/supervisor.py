@@ -28,6 +28,7 @@ from fedlink.server.domain import (
     Job,
     JobState,
     Run,
+    RunEnded,
     RunFence,
     RunLeaseHeld,
     RunLeaseLost,
@@ -201,15 +202,22 @@ class JobSupervisor:
     async def _drive(self, job: Job) -> None:
         try:
             run = await self._acquire_run(job)
+            # The scan's snapshot of the job may predate the run's last driver (which moved it to
+            # RUNNING) or an abort: what to do is decided on the job as it is, now that the run is held.
+            job = await self._store.get_job(job.job_id)
         except RunLeaseHeld as held:
             # Another coordinator drives it. Scan again the moment its lease would lapse, not up to a
             # scan later: a replica that died has its runs taken over within the lease.
             self._wake_at(held.expires_at)
             return
+        except RunEnded:
+            return  # the job was ended (its state first, then its run's) since the scan read it
         except Exception as exc:
             if not is_store_outage(exc):
                 raise
             log.warning("cannot take up job %s now: %s", job.job_id, exc, extra={"job_id": job.job_id})
+            return
+        if is_final(job.state):
             return
         fence = run.fence
         driver = asyncio.current_task()

@@ -15,6 +15,7 @@ from fedlink.server.domain import (
     JobEvent,
     JobState,
     Run,
+    RunEnded,
     RunFence,
     RunLeaseHeld,
     RunState,
@@ -159,7 +160,7 @@ class JobQueries(StoreCore):
         """The run that drives the job, with ``owner`` holding its lease: created by the first
         coordinator to ask (two asking at once make one run, not two), renewed for its owner, taken
         over once its lease lapsed (the ``lease_epoch`` goes up: the old owner's fenced writes fail),
-        and RunLeaseHeld while another owner's lease holds."""
+        RunLeaseHeld while another owner's lease holds, and RunEnded once the run ended."""
         values = {
             "run_id": new_id(),
             "job_id": job_id,
@@ -215,7 +216,8 @@ class JobQueries(StoreCore):
         return rows.run(row)
 
     async def acquire_run_lease(self, run_id: str, *, owner: str, now: datetime, lease: timedelta) -> Run:
-        """Take or renew the lease to drive a run; RunLeaseHeld if another owner's lease holds.
+        """Take or renew the lease to drive a run; RunLeaseHeld if another owner's lease holds, RunEnded
+        if the run has ended (an ended run is left as it is).
 
         Taken from another owner (or from nobody), the run's ``lease_epoch`` goes up by one: the writes
         fenced with the previous owner's :attr:`Run.fence` are refused from then on.
@@ -235,10 +237,11 @@ class JobQueries(StoreCore):
             runs.c.owner_lease_expires_at <= now,
         )
         epoch = sa.case((runs.c.owner == owner, runs.c.lease_epoch), else_=runs.c.lease_epoch + 1)
+        running = runs.c.state == RunState.RUNNING.value
         updated = (
             await conn.execute(
                 sa.update(runs)
-                .where(runs.c.run_id == run_id, free)
+                .where(runs.c.run_id == run_id, running, free)
                 .values(owner=owner, owner_lease_expires_at=now + lease, updated_at=now, lease_epoch=epoch)
                 .returning(runs)
             )
@@ -247,6 +250,8 @@ class JobQueries(StoreCore):
             return rows.run(updated)
         row = await self._fetch_one(conn, sa.select(runs).where(runs.c.run_id == run_id), f"run {run_id}")
         held = rows.run(row)
+        if held.state is not RunState.RUNNING:
+            raise RunEnded(run_id, held.state.value)
         raise RunLeaseHeld(run_id, held.owner or "", held.owner_lease_expires_at)
 
     async def renew_run_lease(self, fence: RunFence, *, now: datetime, lease: timedelta) -> Run:

@@ -437,7 +437,7 @@ class StateStore(Protocol):
     async def acquire_job_run(self, job_id: str, *, owner: str, now: datetime, lease: timedelta) -> Run:
         """The run that drives the job, with ``owner`` holding its lease: created by the first
         coordinator to ask (two asking at once make one run), renewed for its owner, taken over once
-        its lease lapsed, and RunLeaseHeld while another owner's lease holds."""
+        its lease lapsed, RunLeaseHeld while another owner's lease holds, RunEnded once it ended."""
         ...
 
     async def get_run(self, run_id: str) -> Run:
@@ -449,8 +449,9 @@ class StateStore(Protocol):
         ...
 
     async def acquire_run_lease(self, run_id: str, *, owner: str, now: datetime, lease: timedelta) -> Run:
-        """Take or renew the lease to drive a run; RunLeaseHeld if another owner's lease holds. Taken
-        from another owner, the run's ``lease_epoch`` goes up: the old owner's fenced writes fail."""
+        """Take or renew the lease to drive a run; RunLeaseHeld if another owner's lease holds, RunEnded
+        if it ended. Taken from another owner, the run's ``lease_epoch`` goes up: the old owner's fenced
+        writes fail."""
         ...
 
     async def renew_run_lease(self, fence: RunFence, *, now: datetime, lease: timedelta) -> Run:
