@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -301,3 +304,30 @@ def test_config_errors_name_the_offending_entry(case: str, job_data: Any, expect
 def test_registry_refuses_non_callables() -> None:
     with pytest.raises(InvalidArgument, match="'Thing'"):
         ResolverRegistry({"Thing": 3})  # type: ignore[dict-item]
+
+
+def test_a_factory_closing_over_a_model_is_not_kept_alive_by_the_config() -> None:
+    # A registry made per job, its factory closing over that job's model (as an app or a bench does):
+    # once the job's config is gone, so is the model (the signature cache held 1,024 factories before,
+    # a 100 MB model with each).
+    class Model:
+        pass
+
+    def trainer_of(model: Model) -> Callable[..., EchoExecutor]:
+        def trainer(tag: str = "") -> EchoExecutor:
+            assert model is not None
+            return EchoExecutor(tag=tag)
+
+        return trainer
+
+    model = Model()
+    gone = weakref.ref(model)
+    factory = trainer_of(model)
+    del model  # the factory's closure holds it now, and only that
+    job = {"components": [{"type": "Trainer", "name": "t", "args": {"tag": "x"}}], "executors": {"*": "@t"}}
+    config = process_job_data(job, ResolverRegistry({"Trainer": factory}))
+    assert isinstance(config.executor_for("train"), EchoExecutor)
+    assert gone() is not None
+    del config, factory
+    gc.collect()
+    assert gone() is None

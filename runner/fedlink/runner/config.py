@@ -46,6 +46,7 @@ import inspect
 import json
 import re
 import types
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -508,14 +509,28 @@ def _builtins() -> ResolverRegistry:
     return builtin_registry()
 
 
-@functools.lru_cache(maxsize=1024)
-def _signature_of(factory: Factory) -> inspect.Signature | None:
-    # Cached per factory: a class without an __init__ of its own has its signature parsed from text
-    # (tokenize, compile), ~100 us, and a simulation builds each device's components (10,000 times).
+#: Each factory's signature while the factory lives: a class without an __init__ of its own has its
+#: signature parsed from text (tokenize, compile), ~100 us, and a simulation builds each device's
+#: components (10,000 times). Weak keys: a factory closing over a model (a registry entry made per job)
+#: is not kept alive, with its model, by this cache.
+_SIGNATURES: weakref.WeakKeyDictionary[Factory, inspect.Signature | None] = weakref.WeakKeyDictionary()
+
+
+def _parse_signature(factory: Factory) -> inspect.Signature | None:
     try:
         return inspect.signature(factory)
     except (TypeError, ValueError):  # some builtins and C types have no signature
         return None
+
+
+def _signature_of(factory: Factory) -> inspect.Signature | None:
+    try:
+        return _SIGNATURES[factory]
+    except KeyError:
+        signature = _SIGNATURES[factory] = _parse_signature(factory)
+        return signature
+    except TypeError:  # unhashable, or no weak reference to it: not cached
+        return _parse_signature(factory)
 
 
 def check_args(factory: Factory, args: Mapping[str, Any], where: str) -> None:
@@ -526,10 +541,7 @@ def check_args(factory: Factory, args: Mapping[str, Any], where: str) -> None:
     """
     # Binding first turns "__init__() got an unexpected keyword argument" into a message naming
     # the component, and keeps TypeErrors raised inside a constructor distinguishable.
-    try:
-        signature = _signature_of(factory)
-    except TypeError:  # an unhashable factory: not cached
-        signature = _signature_of.__wrapped__(factory)
+    signature = _signature_of(factory)
     if signature is None:
         return
     try:
