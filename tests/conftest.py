@@ -47,10 +47,14 @@ def _background_load() -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Gives every ``slow`` test without a ``timeout`` marker of its own the slow tests' ceiling."""
+    """Gives every ``slow`` test without a ``timeout`` marker of its own the slow tests' ceiling, and
+    skips the ``not_under_load`` ones when the session runs beside a background load."""
+    loaded = _background_load() > 0
     for item in items:
         if item.get_closest_marker("slow") is not None and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(SLOW_TEST_TIMEOUT_S))
+        if loaded and item.get_closest_marker("not_under_load") is not None:
+            item.add_marker(pytest.mark.skip(reason=f"not beside {LOAD_VARIABLE}'s busy processes"))
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

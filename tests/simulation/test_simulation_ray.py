@@ -43,10 +43,7 @@ def patient_ray_start(monkeypatch: pytest.MonkeyPatch) -> None:
 
 #: Not beside the loaded pass's busy processes: Ray's own start-up (GCS, raylet) times out on two
 #: loaded cores ("The current node timed out during startup"); the main pass runs these tests.
-NOT_UNDER_LOAD = pytest.mark.skipif(
-    bool(os.environ.get("FEDLINK_TEST_LOAD")),  # tests/conftest.py's LOAD_VARIABLE
-    reason="Ray's start-up is not ours to test under load",
-)
+NOT_UNDER_LOAD = pytest.mark.not_under_load
 
 
 def ray_test(test: _F) -> _F:
