@@ -11,6 +11,10 @@ ReportResult of a 100-float WEIGHT_DIFF, until DONE), on the same sizes for both
   accepted updates, as many versions as make the same number of updates as FedAvg's run; the window
   runs from the selection's first fill being reported to the last acknowledgement. Devices outside the
   selection sit in long polls (30 s), as they would.
+- **FedAvg, sampled** (where the selection is smaller than the fleet): FedAvg with FedBuff's load, the
+  selection's number of devices sampled per round out of the same fleet, as many rounds as make the
+  same number of results; the others sit in long polls as under FedBuff. Against it, the ratio is what
+  FedBuff's own bookkeeping costs; against FedAvg over every device, the idle devices' polls count too.
 
 CPU per accepted update = the coordinator's CPU in the window / the acknowledgements in it. Versions
 per second: from the tenth version's event to the last one's (the first ones wait for the first
@@ -18,10 +22,11 @@ fill's reports). The run order alternates by repeat; ratios are taken within a r
 printed. Checked: every job finished; FedAvg's rounds each counted every device; FedBuff made every
 version from at least ``--updates`` updates and counted no acknowledged update twice; every device was
 told DONE; no RPC error.
-Target: FedBuff's CPU per accepted update at most 1.2 x FedAvg's.
+Target: FedBuff's CPU per accepted update at most 1.2 x FedAvg's (over every device, as issue 16 set it;
+the sampled FedAvg's ratio is printed beside it).
 
     .venv/bin/python -m bench.fedbuff_bench [--devices 1000,10000] [--repeats 3] [--json out.json]
-    .venv/bin/python -m bench.fedbuff_bench --quick     # 200 devices, one repeat (the test suite)
+    .venv/bin/python -m bench.fedbuff_bench --quick     # 200 devices, 100 selected, one repeat (tests)
 """
 
 from __future__ import annotations
@@ -81,6 +86,18 @@ class Sizes:
         """FedBuff's versions: as many updates as FedAvg's rounds make."""
         return max(2, self.devices * self.rounds // self.updates)
 
+    @property
+    def sampled_rounds(self) -> int:
+        """The sampled FedAvg's rounds of ``selected`` devices: as many results as FedAvg's rounds make."""
+        return self.devices * self.rounds // self.selected
+
+    @property
+    def workflows(self) -> tuple[str, ...]:
+        """The runs of one repeat: the sampled FedAvg only where the selection leaves devices out."""
+        return (
+            ("fedavg", "fedbuff", "fedavg-sampled") if self.selected < self.devices else ("fedavg", "fedbuff")
+        )
+
 
 async def _events(control: cgrpc.ControlServiceAsyncStub, admin: Any, job_id: str) -> list[Any]:
     """The job's events, to its end."""
@@ -114,6 +131,16 @@ async def run_once(sizes: Sizes, workflow: str, workdir: Path, profile: Path | N
             round_timeout_s=3600,
         )
         warm = sizes.devices
+    elif workflow == "fedavg-sampled":
+        job = FedAvgJob(
+            name=tag,
+            rounds=sizes.sampled_rounds,
+            devices_per_round=sizes.selected,
+            min_results=sizes.selected,
+            min_devices=sizes.devices,  # the whole fleet enrolled and polling before round 1
+            round_timeout_s=3600,
+        )
+        warm = sizes.selected
     else:
         job = FedBuffJob(
             name=tag,
@@ -186,17 +213,25 @@ def _figures(
             and sum(e.model_version.num_updates for e in made) <= served["acks"],
         }
     else:
+        sampled = workflow == "fedavg-sampled"
+        rounds, per_round = (
+            (sizes.sampled_rounds, sizes.selected) if sampled else (sizes.rounds, sizes.devices)
+        )
         figures["checks"] = {
-            "job_finished": state == "JOB_STATE_FINISHED" and len(closed) == sizes.rounds,
-            "every_round_counted_every_device": all(
-                e.round_closed.num_results == sizes.devices for e in closed
-            ),
+            "job_finished": state == "JOB_STATE_FINISHED" and len(closed) == rounds,
+            "every_round_counted_its_devices": all(e.round_closed.num_results == per_round for e in closed),
         }
     figures["checks"] |= {
         "every_device_saw_done": served["outcomes"] == {"DONE": sizes.devices},
         "no_rpc_errors": not served["errors"],
     }
     return figures
+
+
+def _ratio(buff: dict[str, Any], avg: dict[str, Any]) -> float | None:
+    """FedBuff's CPU per update over a FedAvg run's per result."""
+    a, b = avg["cpu_ms_per_update"], buff["cpu_ms_per_update"]
+    return round(b / a, 3) if a and b else None
 
 
 def _median(values: Sequence[float | None]) -> float | None:
@@ -207,19 +242,26 @@ def _median(values: Sequence[float | None]) -> float | None:
 async def measure(
     sizes: Sequence[Sizes], repeats: int, workdir: Path, profile: Path | None = None
 ) -> dict[str, Any]:
-    """Both workflows at every size, ``repeats`` times (their order alternating)."""
+    """Both workflows (and the sampled FedAvg) at every size, ``repeats`` times (their order alternating)."""
     report: dict[str, Any] = {"runs": [], "by_size": {}}
     for size in sizes:
         pairs: list[dict[str, Any]] = []
         for repeat in range(repeats):
-            order = ("fedavg", "fedbuff") if repeat % 2 == 0 else ("fedbuff", "fedavg")
+            order = size.workflows if repeat % 2 == 0 else size.workflows[::-1]
             pair = {w: await run_once(size, w, workdir, profile) for w in order}
-            ratio = None
-            avg, buff = pair["fedavg"]["cpu_ms_per_update"], pair["fedbuff"]["cpu_ms_per_update"]
-            if avg and buff:
-                ratio = round(buff / avg, 3)
-            pairs.append({"ratio": ratio, **pair})
-            report["runs"].append({"devices": size.devices, "repeat": repeat, "ratio": ratio, **pair})
+            ratio = _ratio(pair["fedbuff"], pair["fedavg"])
+            to_sampled = _ratio(pair["fedbuff"], pair["fedavg-sampled"]) if "fedavg-sampled" in pair else None
+            pairs.append({"ratio": ratio, "ratio_to_sampled": to_sampled, **pair})
+            report["runs"].append(
+                {
+                    "devices": size.devices,
+                    "repeat": repeat,
+                    "ratio": ratio,
+                    "ratio_to_sampled": to_sampled,
+                    **pair,
+                }
+            )
+        sampled = [p["fedavg-sampled"]["cpu_ms_per_update"] for p in pairs if "fedavg-sampled" in p]
         report["by_size"][str(size.devices)] = {
             "sizes": {
                 "devices": size.devices,
@@ -231,6 +273,8 @@ async def measure(
             "fedavg_cpu_ms_per_result": _median([p["fedavg"]["cpu_ms_per_update"] for p in pairs]),
             "fedbuff_cpu_ms_per_update": _median([p["fedbuff"]["cpu_ms_per_update"] for p in pairs]),
             "ratio": _median([p["ratio"] for p in pairs]),
+            "fedavg_sampled_cpu_ms_per_result": _median(sampled),
+            "ratio_to_sampled": _median([p["ratio_to_sampled"] for p in pairs]),
             "versions_per_s": _median([p["fedbuff"].get("versions_per_s") for p in pairs]),
             "fedavg_results_per_s": _median([p["fedavg"]["updates_per_s"] for p in pairs]),
             "fedbuff_updates_per_s": _median([p["fedbuff"]["updates_per_s"] for p in pairs]),
@@ -238,7 +282,7 @@ async def measure(
     checks: Counter[str] = Counter()
     failed = []
     for run in report["runs"]:
-        for workflow in ("fedavg", "fedbuff"):
+        for workflow in [w for w in ("fedavg", "fedbuff", "fedavg-sampled") if w in run]:
             for name, ok in run[workflow]["checks"].items():
                 checks[name] += 1
                 if not ok:
@@ -254,22 +298,31 @@ async def measure(
 
 
 def summary(report: dict[str, Any]) -> str:
-    lines = ["devices  FedAvg ms/result  FedBuff ms/update  ratio  versions/s  results/s  updates/s"]
+    lines = [
+        "devices  FedAvg ms/result  FedBuff ms/update  ratio  versions/s  results/s  updates/s"
+        "  sampled FedAvg ms/result  ratio to it"
+    ]
     for devices, row in report["by_size"].items():
         lines.append(
             f"{int(devices):>7,}  {num(row['fedavg_cpu_ms_per_result'], '16.3f')}  "
             f"{num(row['fedbuff_cpu_ms_per_update'], '17.3f')}  {num(row['ratio'], '5.2f')}  "
             f"{num(row['versions_per_s'], '10.2f')}  {num(row['fedavg_results_per_s'], '9.0f')}  "
-            f"{num(row['fedbuff_updates_per_s'], '9.0f')}"
+            f"{num(row['fedbuff_updates_per_s'], '9.0f')}  "
+            f"{num(row['fedavg_sampled_cpu_ms_per_result'], '24.3f')}  "
+            f"{num(row['ratio_to_sampled'], '11.2f')}"
         )
     for run in report["runs"]:
         avg, buff = run["fedavg"], run["fedbuff"]
-        lines.append(
+        line = (
             f"    {run['devices']:,} repeat {run['repeat'] + 1}:"
             f" FedAvg {num(avg['cpu_ms_per_update'], '.3f')} ms,"
             f" FedBuff {num(buff['cpu_ms_per_update'], '.3f')} ms ({num(run['ratio'], '.2f')} x);"
             f" {buff.get('versions', 0)} versions, {num(buff.get('versions_per_s'), '.2f')}/s"
         )
+        if "fedavg-sampled" in run:
+            sampled = run["fedavg-sampled"]["cpu_ms_per_update"]
+            line += f"; sampled FedAvg {num(sampled, '.3f')} ms ({num(run['ratio_to_sampled'], '.2f')} x)"
+        lines.append(line)
     lines.append(targets_line(report["targets"]))
     failed = report["checks_failed"]
     lines.append("checks: all passed" if not failed else "checks FAILED: " + "; ".join(failed))
@@ -285,14 +338,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--selection", type=int, default=1000, help="FedBuff's selection (at most)")
     parser.add_argument("--updates", type=int, default=100, help="FedBuff's updates per version")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="200 devices, one repeat")
+    parser.add_argument("--quick", action="store_true", help="200 devices (a selection of 100), one repeat")
     parser.add_argument("--json", type=Path, help="also write the report as JSON here")
     parser.add_argument("--profile", type=Path, help="py-spy every coordinator into DIR")
     args = parser.parse_args(argv)
     devices = [200] if args.quick else [int(d) for d in args.devices.split(",")]
     repeats = 1 if args.quick else args.repeats
     updates = 20 if args.quick else args.updates
-    sizes = [Sizes(d, args.rounds, args.selection, updates) for d in devices]
+    selection = 100 if args.quick else args.selection  # a selection smaller than the fleet, to sample
+    sizes = [Sizes(d, args.rounds, selection, updates) for d in devices]
     with tempfile.TemporaryDirectory(prefix="fedlink-fedbuff-bench-") as folder:
         report = asyncio.run(measure(sizes, repeats, Path(folder), args.profile))
     report["config"] = {"devices": devices, "rounds": args.rounds, "repeats": repeats}

@@ -27,17 +27,22 @@ def test_quick_run_measures_both_workflows_and_passes_its_checks(tmp_path: Path)
     report = json.loads(out.read_text())
     assert report["checks_failed"] == []
     [run] = report["runs"]
-    for workflow in ("fedavg", "fedbuff"):
+    for workflow in ("fedavg", "fedbuff", "fedavg-sampled"):
         figures = run[workflow]
         assert figures["state"] == "JOB_STATE_FINISHED", workflow
         assert all(figures["checks"].values()), (workflow, figures["checks"])
         assert figures["acks_in_window"] > 0 and figures["cpu_ms_per_update"] > 0, workflow
-    assert run["fedbuff"]["versions"] == Sizes(200, 3, 1000, 20).versions == 30
+    assert run["fedbuff"]["versions"] == Sizes(200, 3, 100, 20).versions == 30
     assert run["fedbuff"]["versions_per_s"] > 0
     [row] = report["by_size"].values()
     assert row["ratio"] == pytest.approx(run["ratio"]) and row["ratio"] > 0
+    assert row["ratio_to_sampled"] == pytest.approx(run["ratio_to_sampled"]) and row["ratio_to_sampled"] > 0
 
 
 def test_fedbuffs_run_makes_as_many_updates_as_fedavgs() -> None:
-    assert (Sizes(10_000, 3, 1000, 100).selected, Sizes(10_000, 3, 1000, 100).versions) == (1000, 300)
-    assert (Sizes(200, 3, 1000, 20).selected, Sizes(200, 3, 1000, 20).versions) == (200, 30)
+    big = Sizes(10_000, 3, 1000, 100)
+    assert (big.selected, big.versions, big.sampled_rounds) == (1000, 300, 30)
+    assert big.workflows == ("fedavg", "fedbuff", "fedavg-sampled")
+    whole = Sizes(200, 3, 1000, 20)
+    assert (whole.selected, whole.versions) == (200, 30)
+    assert whole.workflows == ("fedavg", "fedbuff")  # sampling all 200 would be FedAvg's run again
