@@ -91,6 +91,12 @@ class Sizes:
         """The sampled FedAvg's rounds of ``selected`` devices: as many results as FedAvg's rounds make."""
         return self.devices * self.rounds // self.selected
 
+    def fedavg_rounds(self, workflow: str) -> tuple[int, int]:
+        """A FedAvg run's rounds and devices per round: every device, or (sampled) the selection's size."""
+        if workflow == "fedavg-sampled":
+            return self.sampled_rounds, self.selected
+        return self.rounds, self.devices
+
     @property
     def workflows(self) -> tuple[str, ...]:
         """The runs of one repeat: the sampled FedAvg only where the selection leaves devices out."""
@@ -121,26 +127,17 @@ async def run_once(sizes: Sizes, workflow: str, workdir: Path, profile: Path | N
     admin = admin_metadata(token)
     model = write_model_file(workdir / "model.bin", MODEL_FLOATS)
     job: FedAvgJob | FedBuffJob
-    if workflow == "fedavg":
+    if workflow != "fedbuff":
+        rounds, per_round = sizes.fedavg_rounds(workflow)
         job = FedAvgJob(
             name=tag,
-            rounds=sizes.rounds,
-            devices_per_round=sizes.devices,
-            min_results=sizes.devices,
-            min_devices=sizes.devices,
-            round_timeout_s=3600,
-        )
-        warm = sizes.devices
-    elif workflow == "fedavg-sampled":
-        job = FedAvgJob(
-            name=tag,
-            rounds=sizes.sampled_rounds,
-            devices_per_round=sizes.selected,
-            min_results=sizes.selected,
+            rounds=rounds,
+            devices_per_round=per_round,
+            min_results=per_round,
             min_devices=sizes.devices,  # the whole fleet enrolled and polling before round 1
             round_timeout_s=3600,
         )
-        warm = sizes.selected
+        warm = per_round
     else:
         job = FedBuffJob(
             name=tag,
@@ -213,10 +210,7 @@ def _figures(
             and sum(e.model_version.num_updates for e in made) <= served["acks"],
         }
     else:
-        sampled = workflow == "fedavg-sampled"
-        rounds, per_round = (
-            (sizes.sampled_rounds, sizes.selected) if sampled else (sizes.rounds, sizes.devices)
-        )
+        rounds, per_round = sizes.fedavg_rounds(workflow)
         figures["checks"] = {
             "job_finished": state == "JOB_STATE_FINISHED" and len(closed) == rounds,
             "every_round_counted_its_devices": all(e.round_closed.num_results == per_round for e in closed),

@@ -42,6 +42,7 @@ def test_quick_run_measures_both_workflows_and_passes_its_checks(tmp_path: Path)
 def test_fedbuffs_run_makes_as_many_updates_as_fedavgs() -> None:
     big = Sizes(10_000, 3, 1000, 100)
     assert (big.selected, big.versions, big.sampled_rounds) == (1000, 300, 30)
+    assert (big.fedavg_rounds("fedavg"), big.fedavg_rounds("fedavg-sampled")) == ((3, 10_000), (30, 1000))
     assert big.workflows == ("fedavg", "fedbuff", "fedavg-sampled")
     whole = Sizes(200, 3, 1000, 20)
     assert (whole.selected, whole.versions) == (200, 30)
