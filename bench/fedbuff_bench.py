@@ -88,7 +88,7 @@ class Sizes:
 
     @property
     def sampled_rounds(self) -> int:
-        """The sampled FedAvg's rounds of ``selected`` devices: as many results as FedAvg's rounds make."""
+        """The sampled FedAvg's rounds of ``selected`` devices: as many results as FedAvg's (whole rounds)."""
         return self.devices * self.rounds // self.selected
 
     def fedavg_rounds(self, workflow: str) -> tuple[int, int]:

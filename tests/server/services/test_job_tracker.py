@@ -55,8 +55,10 @@ async def test_a_round_heard_after_the_jobs_end_is_logged_and_the_run_stays_ende
     tracker = JobTracker([MlflowSink(uri), tensorboard])
     job = _job("j1")
     _round(tracker, job, 1)
+    tracker.heard(job, "round_started", 2, {"num_devices": 2})
     tracker.heard(job, JOB_STATE_CHANGED, 0, {"state": final.value, "message": ""})
-    _round(tracker, job, 2)  # closed by the driver before the end; its event came after
+    # Closed by the driver before the end (the store has it first); heard after.
+    tracker.heard(job, "round_closed", 2, {"num_results": 2, "metrics": {"loss": 0.5}})
     await tracker.close()
 
     client = MlflowClient(tracking_uri=uri)
@@ -66,6 +68,8 @@ async def test_a_round_heard_after_the_jobs_end_is_logged_and_the_run_stays_ende
     assert run.info.status == {JobState.ABORTED: "KILLED", JobState.FINISHED: "FINISHED"}[final]
     history = client.get_metric_history(run.info.run_id, "loss")
     assert sorted((m.step, m.value) for m in history) == [(1, 1.0), (2, 0.5)]
+    sampled = client.get_metric_history(run.info.run_id, "fedlink/num_devices")
+    assert sorted((m.step, m.value) for m in sampled) == [(1, 2.0), (2, 2.0)]  # the late round's start kept
 
     events = EventAccumulator(str(tmp_path / "tb" / "digits-j1"))
     events.Reload()

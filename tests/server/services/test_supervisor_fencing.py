@@ -279,7 +279,8 @@ async def test_a_driver_handed_a_stale_pending_job_resumes_it_instead_of_failing
         await finish_on_b(b, job_id)
 
 
-async def test_a_driver_handed_a_job_aborted_since_leaves_it_and_its_run_alone(db_url: str) -> None:
+@pytest.mark.parametrize("run_ended", [True, False], ids=["run-ended", "aborter-stopped-before-the-run"])
+async def test_a_driver_handed_a_job_aborted_since_does_not_drive_it(db_url: str, run_ended: bool) -> None:
     clock = ManualClock(T0)
     async with (
         replica(db_url, "coordinator-a", clock, LONG_LEASE) as a,
@@ -290,13 +291,21 @@ async def test_a_driver_handed_a_job_aborted_since_leaves_it_and_its_run_alone(d
         await a.supervisor.scan()
         await asyncio.wait_for(a.gate.reached.wait(), WAIT_S)
         run = await a.store.get_current_run(job_id)
-        # An operator aborts it (as ControlService.abort_job does: the job, then its run).
+        # An operator aborts it (as ControlService.abort_job does: the job, then its run), or got as far
+        # as the job's state only (its coordinator killed in between).
         await JobEvents(a.store).set_state(job_id, JobState.ABORTED, "aborted by an operator")
-        await a.store.finish_run(run.run_id, RunState.ABORTED, "aborted by an operator")
+        if run_ended:
+            await a.store.finish_run(run.run_id, RunState.ABORTED, "aborted by an operator")
         ended = await a.store.get_current_run(job_id)
         clock.advance(LONG_LEASE + timedelta(seconds=1))
         b.supervisor._start(snapshot)
         await asyncio.wait_for(b.supervisor._drivers[job_id], WAIT_S)
         assert not b.gate.reached.is_set()
-        assert await b.store.get_current_run(job_id) == ended  # not leased to B, not a new run
+        now = await b.store.get_current_run(job_id)
+        if run_ended:
+            assert now == ended  # not leased to B, not a new run
+        else:  # B ended the run the aborter left RUNNING
+            assert (now.run_id, now.state, now.owner) == (run.run_id, RunState.ABORTED, None)
+            assert now.message == "aborted by an operator"
         assert (await b.store.get_job(job_id)).state is JobState.ABORTED
+        assert [e.kind for e in await b.store.list_job_events(job_id)][-1] == "job_state_changed"

@@ -193,3 +193,23 @@ async def test_a_take_over_sees_every_write_the_old_owner_got_in(
     await asyncio.wait_for(writing, timeout=30)
     after = await store.get_run(run.run_id)
     assert rounds_in and after.round == rounds_in[-1] == seen, (seen, rounds_in[-3:], after.round)
+
+
+async def test_a_job_ended_before_its_run_refuses_its_drivers_events(world: World) -> None:
+    # An operator's abort writes the job's final state (and its event), then ends the run: a driver's
+    # checkpoint with its round's event, between the two, would put the round after the job's end.
+    store, run, job = world.store, world.run, world.job
+    await store.set_job_state(job.job_id, JobState.RUNNING, fence=run.fence)
+    await store.set_job_state(
+        job.job_id, JobState.ABORTED, "aborted by an operator", event=("job_state_changed", "{}")
+    )
+    events = await store.list_job_events(job.job_id)
+    with pytest.raises(RunLeaseLost, match=r"job \S+ has ended \(ABORTED\)"):
+        await store.save_checkpoint(
+            run.run_id, 1, "1" * 64, "{}", keep_last=3, fence=run.fence, events=[("round_closed", "{}")]
+        )
+    with pytest.raises(RunLeaseLost, match=r"job \S+ has ended \(ABORTED\)"):
+        await store.append_job_event(job.job_id, "round_started", "{}", fence=run.fence)
+    assert await store.list_job_events(job.job_id) == events  # the abort's event stays the last
+    assert await store.list_checkpoints(run.run_id) == []  # the checkpoint went with its event
+    assert (await store.get_run(run.run_id)).round == 0

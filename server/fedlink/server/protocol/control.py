@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 from fedlink.common.dxo import DataKind
-from fedlink.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from fedlink.common.errors import FailedPrecondition, IllegalTransition, InvalidArgument, NotFound
 from fedlink.common.json_limits import load_json
 from fedlink.runner.validation import check_job_data as check_components
 from fedlink.server.coordination.model_outlines import ModelOutlines
@@ -228,7 +229,9 @@ class ControlProtocol:
         await self._store.cancel_job_tasks(job_id)
         run = await self._current_run(job_id)
         if run is not None and run.state is RunState.RUNNING:
-            await self._store.finish_run(run.run_id, RunState.ABORTED, message)
+            # Ended meanwhile, perhaps, by a coordinator that found its job final (JobSupervisor).
+            with contextlib.suppress(IllegalTransition):
+                await self._store.finish_run(run.run_id, RunState.ABORTED, message)
         self._on_job_change(job_id)
         self._notifier.notify(job_id)  # long-polling devices learn at once that the job is over
         return await self.describe_job(job_id)

@@ -43,6 +43,13 @@ from fedlink.server.workflows.registry import Workflows
 
 log = logging.getLogger(__name__)
 
+#: How a final job's run ends.
+_RUN_END = {
+    JobState.FINISHED: RunState.FINISHED,
+    JobState.FAILED: RunState.FAILED,
+    JobState.ABORTED: RunState.ABORTED,
+}
+
 #: How long after another replica's lease lapses this one tries to take its run: past the instant, so
 #: that the store's clock comparison sees the lease expired.
 _PAST_LEASE_S = 0.05
@@ -218,6 +225,7 @@ class JobSupervisor:
             log.warning("cannot take up job %s now: %s", job.job_id, exc, extra={"job_id": job.job_id})
             return
         if is_final(job.state):
+            await self._end_run_of_ended_job(job, run)
             return
         fence = run.fence
         driver = asyncio.current_task()
@@ -305,6 +313,21 @@ class JobSupervisor:
                 await self._store.finish_run(run.run_id, run_state, message, fence=fence)
         except IllegalTransition:
             return  # ended meanwhile by someone else (an operator, a corrupted blob's discovery)
+
+    async def _end_run_of_ended_job(self, job: Job, run: Run) -> None:
+        """Ends the run of a job that ended without it: its ender writes the job's state, then the run's,
+        and may have stopped in between (a coordinator killed mid-abort), or be about to write it."""
+        try:
+            await self._store.finish_run(run.run_id, _RUN_END[job.state], job.message, fence=run.fence)
+        except (RunLeaseLost, IllegalTransition):
+            return  # ended meanwhile, by the job's ender
+        except Exception as exc:
+            if not is_store_outage(exc):
+                raise
+            return  # the run stays RUNNING for now; nobody drives a final job's run
+        log.info(
+            "ended the run of final job %s", job.job_id, extra={"job_id": job.job_id, "run_id": run.run_id}
+        )
 
     def _wake_at(self, moment: datetime | None) -> None:
         """Has the jobs scanned at ``moment`` (soon after it, on this coordinator's clock)."""

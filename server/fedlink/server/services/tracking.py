@@ -6,9 +6,10 @@ coordinator that drives a run logs its rounds. It queues them without waiting an
 sinks in order, on a thread of its own (the sinks' libraries block on files and databases): a slow or
 broken sink never holds a workflow back, and a broken one is disabled after logging once.
 
-A round's event can reach the tracker after its job's final state: the driver closes a round as an
-operator aborts the job, and records the round's event after its write. Such a late round is logged
-and the job's runs are ended again, so the sinks keep the round and the job's final status.
+A round's event can reach the tracker after its job's final state even though the store records it
+first: the listeners hear events as their writes return, and a driver's checkpoint (with its round's
+event) and an operator's abort can return in either order. Such a late round is logged and the job's
+runs are ended again, so the sinks keep the round and the job's final status.
 """
 
 from __future__ import annotations
@@ -144,11 +145,11 @@ class JobTracker:
                 self._last_step_time.setdefault(job_id, event.time_s)  # the first version's start
             if is_final(state):
                 self._ended[job_id] = state.value
-                if len(self._ended) > _ENDED_KEPT:
-                    self._ended.popitem(last=False)
+                if len(self._ended) > _ENDED_KEPT:  # its rounds' starts go with it (a late round's kept)
+                    forgotten, _ = self._ended.popitem(last=False)
+                    for key in [k for k in self._round_starts if k[0] == forgotten]:
+                        del self._round_starts[key]
                 self._last_step_time.pop(job_id, None)
-                for key in [k for k in self._round_starts if k[0] == job_id]:
-                    del self._round_starts[key]
                 self._finish(job_id)
 
     def _finish(self, job_id: str) -> None:

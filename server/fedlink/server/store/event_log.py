@@ -14,7 +14,9 @@ from datetime import datetime
 
 import sqlalchemy as sa
 
+from fedlink.server.domain import RunFence
 from fedlink.server.store.bulk import insert_rows
+from fedlink.server.store.fencing import check_jobs_live
 from fedlink.server.store.schema import job_events
 
 
@@ -33,10 +35,15 @@ def _lock_job_events(conn: sa.Connection, job_ids: Iterable[str]) -> None:
 
 
 def append_job_events(
-    conn: sa.Connection, events: Sequence[tuple[str, str, str]], now: datetime
+    conn: sa.Connection,
+    events: Sequence[tuple[str, str, str]],
+    now: datetime,
+    *,
+    fence: RunFence | None = None,
 ) -> list[int]:
     """Appends ``(job_id, kind, payload_json)`` events, in order per job; returns their sequences.
 
+    With a driver's ``fence``, RunLeaseLost if a job has ended: its final state event stays its last.
     The jobs must exist (the foreign key says so on commit otherwise).
     """
     by_job: dict[str, list[int]] = {}
@@ -45,6 +52,7 @@ def append_job_events(
     sequences = [0] * len(events)
     rows: list[dict[str, object]] = []
     _lock_job_events(conn, by_job)
+    check_jobs_live(conn, fence, by_job)
     for job_id in sorted(by_job):
         last = conn.execute(
             sa.select(sa.func.coalesce(sa.func.max(job_events.c.sequence), 0)).where(

@@ -16,13 +16,14 @@ it keeps its owner's writes valid: nobody else wrote in between.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from fedlink.server.domain import RunFence, RunLeaseLost, RunState
-from fedlink.server.store.schema import runs
+from fedlink.server.domain import JobState, RunFence, RunLeaseLost, RunState, is_final
+from fedlink.server.store.schema import jobs, runs
 
 _FENCE = (
     sa.select(runs.c.owner, runs.c.lease_epoch, runs.c.state)
@@ -43,6 +44,18 @@ async def check_fence_async(conn: AsyncConnection, fence: RunFence | None) -> No
     if fence is not None:
         row = (await conn.execute(_FENCE, {"run_id": fence.run_id})).first()
         _judge(fence, None if row is None else tuple(row))
+
+
+def check_jobs_live(conn: sa.Connection, fence: RunFence | None, job_ids: Iterable[str]) -> None:
+    """Raise RunLeaseLost if ``fence`` (if given) drives a job that has ended: a job's final state event is
+    its last, and an operator ends the job (with that event) before its run. Called once the job's
+    events lock is held (:mod:`~fedlink.server.store.event_log`), which that final write takes too."""
+    if fence is None:
+        return
+    for job_id in sorted(set(job_ids)):
+        state = conn.execute(sa.select(jobs.c.state).where(jobs.c.job_id == job_id)).scalar()
+        if state is not None and is_final(JobState(state)):
+            raise RunLeaseLost(fence.run_id, fence.owner, fence.epoch, f"job {job_id} has ended ({state})")
 
 
 def _judge(fence: RunFence, row: tuple[Any, ...] | None) -> None:

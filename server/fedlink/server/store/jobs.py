@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
@@ -34,6 +35,8 @@ from fedlink.server.store.schema import blobs, checkpoints, job_events, jobs, re
 
 #: Job states whose events are kept whole (``job watch`` follows them).
 _LIVE_JOB_STATES = tuple(state.value for state in JobState if not is_final(state))
+
+log = logging.getLogger(__name__)
 
 
 class JobQueries(StoreCore):
@@ -306,8 +309,9 @@ class JobQueries(StoreCore):
         """Record a round's model, metrics and workflow state on the run, in one transaction; keep only
         the last ``keep_last`` checkpoints. With a ``fence``, only while it holds the run (else
         RunLeaseLost, and nothing is recorded). ``events`` (kind, payload JSON) are appended to the run's
-        job in the same transaction: a round's event is there exactly when its checkpoint is, and before
-        any later event of the job (an operator's abort, say).
+        job in the same transaction: a round's event is there exactly when its checkpoint is. With a
+        ``fence`` and events, a job that has ended (an operator's abort between the job's state and its
+        run's) refuses them with RunLeaseLost: a job's final state event stays its last.
 
         The run itself points at the newest model and state, so the final model outlives the pruning.
         The blobs of pruned checkpoints and of the run's previous state are freed unless something
@@ -329,8 +333,6 @@ class JobQueries(StoreCore):
             ).first()
             if previous is None:
                 raise NotFound(f"run {run_id} does not exist")
-            if events:
-                append_job_events(conn, [(previous.job_id, kind, body) for kind, body in events], now)
             conn.execute(
                 sa.delete(checkpoints).where(checkpoints.c.run_id == run_id, checkpoints.c.round == round)
             )
@@ -375,11 +377,17 @@ class JobQueries(StoreCore):
             freed = {sha for row in pruned for sha in row if sha}
             if previous.workflow_state_sha256:
                 freed.add(previous.workflow_state_sha256)
+            if events:  # last: the job's events lock is held from here to the commit
+                mine = [(previous.job_id, kind, body) for kind, body in events]
+                append_job_events(conn, mine, now, fence=fence)
             return rows.checkpoint(saved.one()), freed - {model_sha256, state_sha256 or ""}
 
         checkpoint, candidates = await self._db.write_sync(work)
         if candidates:
-            await self._blob_store.delete_if_unreferenced(candidates)
+            try:
+                await self._blob_store.delete_if_unreferenced(candidates)
+            except Exception as exc:  # the checkpoint is in: storage collection frees them later
+                log.warning("could not free the blobs a checkpoint left unused: %s", exc)
         return checkpoint
 
     async def list_checkpoints(self, run_id: str) -> Sequence[Checkpoint]:
@@ -400,7 +408,7 @@ class JobQueries(StoreCore):
             check_fence(conn, fence)
             if conn.execute(sa.select(jobs.c.job_id).where(jobs.c.job_id == job_id)).first() is None:
                 raise NotFound(f"job {job_id} does not exist")
-            (sequence,) = append_job_events(conn, [(job_id, kind, payload_json)], now)
+            (sequence,) = append_job_events(conn, [(job_id, kind, payload_json)], now, fence=fence)
             return JobEvent(job_id=job_id, sequence=sequence, time=now, kind=kind, payload_json=payload_json)
 
         return await self._db.write_sync(work)

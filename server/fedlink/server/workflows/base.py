@@ -229,8 +229,14 @@ class WorkflowContext:
         events: Sequence[Event] = (),
     ) -> None:
         """The fenced checkpoint write of :meth:`checkpoint`, for a model already stored, with the
-        ``events`` that report it in the same transaction (recorded exactly when the checkpoint is,
-        before any later event of the job such as an abort's), passed on to the job's watchers after."""
+        ``events`` that report it in the same transaction (recorded exactly when the checkpoint is;
+        refused with it once the job has ended), passed on to the job's watchers after.
+
+        Raises:
+            InvalidArgument: an event of an unknown kind, or with payload keys it does not have.
+        """
+        for kind, _, payload in events:
+            _check_event(kind, payload)
         await self.store.save_checkpoint(
             self.run.run_id,
             round,

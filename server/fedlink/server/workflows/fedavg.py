@@ -566,9 +566,7 @@ class FedAvg:
         deadline = ctx.clock.now() + timedelta(seconds=self.params.round_timeout_s)
         await self._hand_out(ctx, round_no, name, payload_sha, chosen, deadline)
         if name == TRAIN_TASK and wave == 0:
-            await ctx.events.emit(
-                ctx.job, "round_started", round_no, {"num_devices": len(chosen)}, fence=ctx.fence
-            )
+            await ctx.emit("round_started", round_no, {"num_devices": len(chosen)})
 
     async def _hand_out(
         self,
