@@ -57,8 +57,10 @@ def test_fedbuff_with_fedavgs_settings_makes_fedavgs_model_within_float32_roundi
 
 
 def test_fedbuff_learns_the_digits_asynchronously_from_the_python_api(digits: Digits) -> None:
+    # Which devices report first is the machine's timing, so the model varies from run to run: after 12
+    # versions, 0.77-0.96 held-out accuracy (30 runs; under 0.85 in 4-7 of them), after 30, 0.90-0.96.
     params = FedBuffParams(
-        max_model_version=12,
+        max_model_version=30,
         device_selection_size=6,
         num_updates_for_model=3,
         max_model_history=4,
@@ -67,7 +69,7 @@ def test_fedbuff_learns_the_digits_asynchronously_from_the_python_api(digits: Di
     )
     job = dataclasses.replace(softmax_job(rounds=1, epochs=1), workflow=params)
     result = run_simulation(job, DEVICES, data=digits.source(alpha=1.0), seed=0)
-    assert [r.round for r in result.rounds] == list(range(1, 13))
+    assert [r.round for r in result.rounds] == list(range(1, 31))
     assert all(r.num_results >= 3 for r in result.rounds)
     assert digits.accuracy(result.arrays) > 0.85
 
