@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -18,7 +19,15 @@ import pytest
 
 from fedlink.common.dxo import DXO, DataKind
 from fedlink.common.errors import FailedPrecondition, InvalidArgument
-from fedlink.server.domain import ManualClock, ReportOutcome, TaskState
+from fedlink.server.domain import (
+    EVALUATE_TASK,
+    TRAIN_TASK,
+    AssignmentState,
+    ManualClock,
+    ReportOutcome,
+    Task,
+    TaskState,
+)
 from fedlink.server.store import SqlStateStore, create_store
 from fedlink.server.workflows.fedbuff import FedBuffParams
 
@@ -438,3 +447,56 @@ def test_params_refuse_what_has_no_meaning() -> None:
     with pytest.raises(InvalidArgument, match="num_updates_for_model"):
         _params(num_updates_for_model=0)
     assert dataclasses.replace(_params(), max_model_history=0).live_versions() == 101
+
+
+async def test_a_version_evaluated_across_a_restart_has_its_event_recorded_once(
+    store: SqlStateStore, clock: ManualClock
+) -> None:
+    # A version's model_version event waits for its evaluation; the driver is killed while that is out.
+    # The event is written with the checkpoint that releases it: after the restart, exactly once.
+    world = await _world(
+        store,
+        clock,
+        devices=3,
+        device_selection_size=2,
+        num_updates_for_model=2,
+        max_model_version=2,
+        eval_frequency=1,
+        eval_devices=1,
+    )
+
+    async def open_tasks(name: str) -> dict[str, Task]:
+        """The open tasks of ``name`` not reported yet, by device."""
+        tasks = await store.list_tasks(world.run_id)
+        out = [t for t in tasks if t.state is TaskState.OPEN and t.name == name]
+        ids = [t.task_id for t in out]
+        ended = (AssignmentState.COMPLETED, AssignmentState.FAILED)
+        done = {a.task_id for a in await store.list_assignments(task_ids=ids) if a.state in ended}
+        targets = await store.task_targets(task_ids=ids)
+        return {targets[t.task_id][0]: t for t in out if t.task_id not in done}
+
+    async def until_out(name: str, count: int) -> dict[str, Task]:
+        async def check() -> bool:
+            return len(await open_tasks(name)) == count
+
+        await world.until(check, what=f"{count} {name} tasks out")
+        return await open_tasks(name)
+
+    for version in (1, 2):
+        for device in await until_out(TRAIN_TASK, 2):
+            await world.report(device)
+        (evaluator,) = await until_out(EVALUATE_TASK, 1)
+        assert len(await world.events()) == version - 1  # held for its evaluation
+        if version == 1:
+            await world.stop()  # killed while the evaluation is out
+            await world.start()
+        await world.report(evaluator)  # offered its evaluate task first
+        await world.until(functools.partial(_has_events, world, version), what=f"version {version}'s event")
+    await world.driver  # type: ignore[misc]
+    events = await world.events()
+    assert [e["round"] for e in events] == [1, 2]  # each version's event once, in order
+    assert all("eval_loss" in e["metrics"] for e in events)
+
+
+async def _has_events(world: FedBuffWorld, count: int) -> bool:
+    return len(await world.events()) >= count
