@@ -119,9 +119,14 @@ class FedBuffWorld:
             await self.driver
 
     # ---- what the store shows ----
-    async def out(self) -> dict[str, Task]:
-        """The tasks out (open, not reported), by the device each is for: the selection."""
-        tasks = [t for t in await self.store.list_tasks(self.run_id) if t.state is TaskState.OPEN]
+    async def out(self, name: str | None = None) -> dict[str, Task]:
+        """The tasks out (open, not reported), by the device each is for: the selection (with ``name``,
+        only tasks of that name: ``train`` or ``evaluate``)."""
+        tasks = [
+            t
+            for t in await self.store.list_tasks(self.run_id)
+            if t.state is TaskState.OPEN and name in (None, t.name)
+        ]
         ids = [t.task_id for t in tasks]
         done = {
             a.task_id

@@ -22,7 +22,6 @@ from fedlink.common.errors import FailedPrecondition, InvalidArgument
 from fedlink.server.domain import (
     EVALUATE_TASK,
     TRAIN_TASK,
-    AssignmentState,
     ManualClock,
     ReportOutcome,
     Task,
@@ -465,22 +464,12 @@ async def test_a_version_evaluated_across_a_restart_has_its_event_recorded_once(
         eval_devices=1,
     )
 
-    async def open_tasks(name: str) -> dict[str, Task]:
-        """The open tasks of ``name`` not reported yet, by device."""
-        tasks = await store.list_tasks(world.run_id)
-        out = [t for t in tasks if t.state is TaskState.OPEN and t.name == name]
-        ids = [t.task_id for t in out]
-        ended = (AssignmentState.COMPLETED, AssignmentState.FAILED)
-        done = {a.task_id for a in await store.list_assignments(task_ids=ids) if a.state in ended}
-        targets = await store.task_targets(task_ids=ids)
-        return {targets[t.task_id][0]: t for t in out if t.task_id not in done}
-
     async def until_out(name: str, count: int) -> dict[str, Task]:
         async def check() -> bool:
-            return len(await open_tasks(name)) == count
+            return len(await world.out(name)) == count
 
         await world.until(check, what=f"{count} {name} tasks out")
-        return await open_tasks(name)
+        return await world.out(name)
 
     for version in (1, 2):
         for device in await until_out(TRAIN_TASK, 2):
